@@ -1,0 +1,1 @@
+"""Multimodal serving on Triton + vLLM with preprocessing before the engine."""

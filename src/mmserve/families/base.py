@@ -1,0 +1,148 @@
+"""What a model family declares so that its already-processed inputs can pass through vLLM.
+
+A family is a stock vLLM model class plus, for each modality it accepts, a ``ModalitySpec``:
+the tensor fields the family's HF processor outputs, the placeholder token that stands for one
+embedding in the expanded prompt, how the modality's batch splits into items, and the rule that
+turns one item's tensors into its placeholder count. Nothing else in the project knows these rules.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from mmserve.errors import ProcessedInputError
+
+DTypeKind = Literal["float", "int"]
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One tensor of a modality, as the HF processor outputs it for all items of a request."""
+
+    name: str
+    kind: DTypeKind
+    shape: str
+    """Symbolic shape, e.g. ``"(sum of t*h*w over images, 3*2*14*14)"`` — for docs and errors."""
+    meaning: str
+
+    @property
+    def ndim(self) -> int:
+        return self.shape.count(",") + 1 if self.shape.strip("()") else 0
+
+
+class ModalitySpec(ABC):
+    """The rules of one modality of one family.
+
+    Subclasses implement ``validate`` (shapes, dtypes and cross-field consistency of the whole
+    modality), ``fields_config`` (how vLLM splits the modality's tensors into items) and
+    ``expected_tokens`` (the placeholder count of one item).
+    """
+
+    modality: str
+    fields: tuple[FieldSpec, ...]
+    placeholder_token: str
+
+    @property
+    def field_names(self) -> frozenset[str]:
+        return frozenset(f.name for f in self.fields)
+
+    def check_fields(self, data: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """Presence, type, dtype kind and rank of every field; returns the fields as tensors."""
+        unknown = sorted(set(data) - self.field_names)
+        if unknown:
+            raise ProcessedInputError(
+                self.modality,
+                expected=f"only the fields {sorted(self.field_names)}",
+                found=f"unexpected field(s) {unknown}",
+            )
+        missing = sorted(self.field_names - set(data))
+        if missing:
+            raise ProcessedInputError(
+                self.modality,
+                expected=f"the fields {sorted(self.field_names)}",
+                found=f"{sorted(data)} (missing {missing})",
+            )
+        tensors: dict[str, torch.Tensor] = {}
+        for spec in self.fields:
+            tensor = as_tensor(data[spec.name], self.modality, spec.name)
+            if spec.kind == "float" and not tensor.is_floating_point():
+                raise ProcessedInputError(
+                    self.modality,
+                    field=spec.name,
+                    expected="a floating-point tensor (the HF processor's normalized output)",
+                    found=f"dtype {tensor.dtype}",
+                )
+            if spec.kind == "int" and (tensor.is_floating_point() or tensor.is_complex()):
+                raise ProcessedInputError(
+                    self.modality,
+                    field=spec.name,
+                    expected="an integer tensor",
+                    found=f"dtype {tensor.dtype}",
+                )
+            if tensor.ndim != spec.ndim:
+                raise ProcessedInputError(
+                    self.modality,
+                    field=spec.name,
+                    expected=f"rank {spec.ndim} {spec.shape}",
+                    found=f"rank {tensor.ndim} with shape {tuple(tensor.shape)}",
+                )
+            tensors[spec.name] = tensor
+        return tensors
+
+    @abstractmethod
+    def validate(self, data: Mapping[str, torch.Tensor], mm_config: Any) -> None:
+        """Check shapes and values across fields; raise ``ProcessedInputError``."""
+
+    @abstractmethod
+    def fields_config(self, data: Mapping[str, torch.Tensor], mm_config: Any) -> Mapping[str, Any]:
+        """vLLM ``MultiModalFieldConfig`` per field: how the batch splits into items."""
+
+    @abstractmethod
+    def expected_tokens(self, item: Mapping[str, torch.Tensor], mm_config: Any) -> int:
+        """Placeholder tokens one item occupies in the expanded prompt."""
+
+    def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
+        """Short description of an item for error messages (what its count was derived from)."""
+        return ""
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """A model family served through the pass-through processor."""
+
+    name: str
+    """Short name used by the project (checkpoint builder, docs, tests)."""
+    stock_architectures: tuple[str, ...]
+    """``architectures`` values of checkpoints of this family."""
+    passthrough_architecture: str
+    """Architecture registered with vLLM; select it with ``hf_overrides={"architectures": [...]}``."""
+    vllm_model: str
+    """``"module:Class"`` of the stock vLLM model the pass-through class derives from."""
+    modalities: tuple[ModalitySpec, ...]
+
+    def modality(self, name: str) -> ModalitySpec | None:
+        return next((m for m in self.modalities if m.modality == name), None)
+
+    @property
+    def hf_overrides(self) -> dict[str, list[str]]:
+        return {"architectures": [self.passthrough_architecture]}
+
+
+def as_tensor(value: Any, modality: str, field: str) -> torch.Tensor:
+    """Accept torch tensors and numpy arrays (what Triton hands over)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        np = None
+    if np is not None and isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    raise ProcessedInputError(
+        modality, field=field, expected="a torch.Tensor or numpy.ndarray", found=type(value).__name__
+    )

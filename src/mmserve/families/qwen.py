@@ -1,0 +1,190 @@
+"""Modality rules shared by the Qwen families: the Qwen2-VL vision tower and the Whisper-style
+audio encoder. The per-family adapters (``qwen2_5_vl.py``, ``qwen2_audio.py``, ``qwen2_5_omni.py``)
+only pick these up with their own placeholder tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mmserve.errors import ProcessedInputError
+from mmserve.families.base import FieldSpec, ModalitySpec
+
+
+class QwenVisionImage(ModalitySpec):
+    """Images through the Qwen2-VL/2.5-VL vision tower.
+
+    One image of patch grid (t, h, w) occupies ``t*h*w / spatial_merge_size**2`` placeholder tokens
+    (the HF processor's rule: ``image_grid_thw.prod() // merge_size**2``).
+    """
+
+    modality = "image"
+
+    def __init__(self, placeholder_token: str) -> None:
+        self.placeholder_token = placeholder_token
+        self.fields = (
+            FieldSpec(
+                "pixel_values",
+                "float",
+                "(sum of t*h*w over the images, channels*temporal_patch_size*patch_size**2)",
+                "normalized image patches, flattened as the HF image processor outputs them",
+            ),
+            FieldSpec(
+                "image_grid_thw",
+                "int",
+                "(images, 3)",
+                "patch grid (t, h, w) of each image, in the order the images appear in the prompt",
+            ),
+        )
+
+    @staticmethod
+    def _vision(mm_config: Any) -> tuple[int, int]:
+        vision = mm_config.vision_config
+        channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", 3)
+        patch_dim = channels * vision.temporal_patch_size * vision.patch_size**2
+        return patch_dim, vision.spatial_merge_size
+
+    def validate(self, data: Mapping[str, torch.Tensor], mm_config: Any) -> None:
+        pixel_values, grid = data["pixel_values"], data["image_grid_thw"]
+        patch_dim, merge = self._vision(mm_config)
+        if grid.shape[1] != 3 or grid.shape[0] == 0:
+            raise ProcessedInputError(
+                "image", field="image_grid_thw", expected="shape (images >= 1, 3)",
+                found=f"shape {tuple(grid.shape)}",
+            )
+        for index, (t, h, w) in enumerate(grid.tolist()):
+            if min(t, h, w) <= 0 or h % merge or w % merge:
+                raise ProcessedInputError(
+                    "image", item=index, field="image_grid_thw",
+                    expected=f"positive (t, h, w) with h and w multiples of spatial_merge_size={merge}",
+                    found=f"({t}, {h}, {w})",
+                )
+        if pixel_values.shape[1] != patch_dim:
+            raise ProcessedInputError(
+                "image", field="pixel_values",
+                expected=f"{patch_dim} values per patch (the vision tower's patch size)",
+                found=f"shape {tuple(pixel_values.shape)}",
+            )
+        patches = int(grid.prod(-1).sum())
+        if pixel_values.shape[0] != patches:
+            raise ProcessedInputError(
+                "image", field="pixel_values",
+                expected=f"{patches} patches (sum of t*h*w over image_grid_thw)",
+                found=f"{pixel_values.shape[0]} rows",
+            )
+
+    def fields_config(self, data: Mapping[str, torch.Tensor], mm_config: Any) -> Mapping[str, Any]:
+        from vllm.multimodal.inputs import MultiModalFieldConfig
+
+        return {
+            "pixel_values": MultiModalFieldConfig.flat_from_sizes(
+                "image", data["image_grid_thw"].prod(-1)
+            ),
+            "image_grid_thw": MultiModalFieldConfig.batched("image"),
+        }
+
+    def expected_tokens(self, item: Mapping[str, torch.Tensor], mm_config: Any) -> int:
+        _, merge = self._vision(mm_config)
+        return int(item["image_grid_thw"].prod()) // merge**2
+
+    def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
+        return f"image_grid_thw={item['image_grid_thw'].tolist()}"
+
+
+def whisper_output_length(mel_frames: int) -> int:
+    """Encoder outputs for ``mel_frames`` valid mel frames: two stride-2 reductions (conv, pooling)."""
+    after_conv = (mel_frames - 1) // 2 + 1
+    return (after_conv - 2) // 2 + 1
+
+
+class WhisperAudio(ModalitySpec):
+    """Audio through a Whisper-style encoder (Qwen2-Audio, Qwen2.5-Omni).
+
+    One clip with ``L`` valid mel frames (``feature_attention_mask.sum()``) occupies
+    ``((L - 1) // 2 + 1 - 2) // 2 + 1`` placeholder tokens.
+
+    Args:
+        placeholder_token: the token that stands for one audio embedding.
+        fixed_frames: the encoder needs every clip padded to exactly ``2 * max_source_positions``
+            frames (Qwen2-Audio's absolute position table); otherwise any length up to that works.
+    """
+
+    modality = "audio"
+
+    def __init__(self, placeholder_token: str, *, fixed_frames: bool) -> None:
+        self.placeholder_token = placeholder_token
+        self.fixed_frames = fixed_frames
+        self.fields = (
+            FieldSpec(
+                "input_features",
+                "float",
+                "(clips, num_mel_bins, frames)",
+                "log-mel features of each clip, padded to a common number of frames",
+            ),
+            FieldSpec(
+                "feature_attention_mask",
+                "int",
+                "(clips, frames)",
+                "1 for the valid frames of each clip (a prefix), 0 for padding",
+            ),
+        )
+
+    def validate(self, data: Mapping[str, torch.Tensor], mm_config: Any) -> None:
+        features, mask = data["input_features"], data["feature_attention_mask"]
+        audio = mm_config.audio_config
+        clips, mel_bins, frames = features.shape
+        if clips == 0:
+            raise ProcessedInputError(
+                "audio", field="input_features", expected="at least one clip", found="0 clips"
+            )
+        if mel_bins != audio.num_mel_bins:
+            raise ProcessedInputError(
+                "audio", field="input_features",
+                expected=f"{audio.num_mel_bins} mel bins", found=f"shape {tuple(features.shape)}",
+            )
+        max_frames = 2 * audio.max_source_positions
+        if self.fixed_frames and frames != max_frames:
+            raise ProcessedInputError(
+                "audio", field="input_features",
+                expected=f"{max_frames} frames per clip (padded as the feature extractor does)",
+                found=f"shape {tuple(features.shape)}",
+            )
+        if tuple(mask.shape) != (clips, frames):
+            raise ProcessedInputError(
+                "audio", field="feature_attention_mask",
+                expected=f"shape {(clips, frames)} (clips, frames of input_features)",
+                found=f"shape {tuple(mask.shape)}",
+            )
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ProcessedInputError(
+                "audio", field="feature_attention_mask", expected="only 0 and 1",
+                found=f"values {sorted(set(mask.unique().tolist()))[:6]}",
+            )
+        lengths = mask.sum(-1).tolist()
+        for index, length in enumerate(lengths):
+            if not bool(mask[index, :length].all()):
+                raise ProcessedInputError(
+                    "audio", item=index, field="feature_attention_mask",
+                    expected="a prefix of ones followed by zeros", found="ones after a zero",
+                )
+            if whisper_output_length(length) <= 0 or length > max_frames:
+                raise ProcessedInputError(
+                    "audio", item=index, field="feature_attention_mask",
+                    expected=f"between 2 and {max_frames} valid frames", found=f"{length}",
+                )
+
+    def fields_config(self, data: Mapping[str, torch.Tensor], mm_config: Any) -> Mapping[str, Any]:
+        from vllm.multimodal.inputs import MultiModalFieldConfig
+
+        return {
+            "input_features": MultiModalFieldConfig.batched("audio"),
+            "feature_attention_mask": MultiModalFieldConfig.batched("audio"),
+        }
+
+    def expected_tokens(self, item: Mapping[str, torch.Tensor], mm_config: Any) -> int:
+        return whisper_output_length(int(item["feature_attention_mask"].sum()))
+
+    def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
+        return f"{int(item['feature_attention_mask'].sum())} valid mel frames"

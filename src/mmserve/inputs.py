@@ -1,0 +1,73 @@
+"""From the HF processor's output to a vLLM prompt, and engine arguments for a checkpoint."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mmserve.families import FamilySpec, family_for_architecture
+
+
+def family_of_checkpoint(model: str | Path) -> FamilySpec:
+    """The family of a local checkpoint, from the ``architectures`` of its ``config.json``."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    architectures = config.get("architectures") or []
+    for arch in architectures:
+        try:
+            return family_for_architecture(arch)
+        except KeyError:
+            continue
+    raise KeyError(f"{model}: no model family serves architectures {architectures}")
+
+
+def engine_kwargs(model: str | Path, **overrides: Any) -> dict[str, Any]:
+    """vLLM engine arguments that serve ``model`` through the pass-through architecture.
+
+    The checkpoint is untouched: its family's pass-through class is selected with
+    ``hf_overrides={"architectures": [...]}``. ``overrides`` win over these defaults.
+    """
+    family = family_of_checkpoint(model)
+    kwargs: dict[str, Any] = {"model": str(model), "hf_overrides": family.hf_overrides}
+    kwargs.update(overrides)
+    return kwargs
+
+
+def processed_multi_modal_data(
+    family: FamilySpec, tensors: Mapping[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """Group the HF processor's feature tensors by modality, as the pass-through parser takes them.
+
+    A modality whose tensors are absent or empty (zero items) is left out. Tensors that belong to no
+    modality of the family (``input_ids``, ``attention_mask``, ...) are ignored.
+    """
+    data: dict[str, dict[str, Any]] = {}
+    for spec in family.modalities:
+        fields = {name: tensors[name] for name in spec.field_names if name in tensors}
+        if fields and any(_numel(value) > 0 for value in fields.values()):
+            data[spec.modality] = fields
+    return data
+
+
+def processed_prompt(
+    family: FamilySpec, input_ids: Sequence[int] | Any, tensors: Mapping[str, Any]
+) -> dict[str, Any]:
+    """A vLLM ``TokensPrompt`` for expanded ``input_ids`` and the processor's feature tensors."""
+    ids = input_ids.tolist() if hasattr(input_ids, "tolist") else list(input_ids)
+    if ids and isinstance(ids[0], list):  # a batch of one, as HF processors return it
+        if len(ids) != 1:
+            raise ValueError(f"input_ids: expected one prompt, found a batch of {len(ids)}")
+        ids = ids[0]
+    prompt: dict[str, Any] = {"prompt_token_ids": [int(i) for i in ids]}
+    mm_data = processed_multi_modal_data(family, tensors)
+    if mm_data:
+        prompt["multi_modal_data"] = mm_data
+    return prompt
+
+
+def _numel(value: Any) -> int:
+    size = getattr(value, "numel", None)
+    if callable(size):
+        return int(size())
+    return int(getattr(value, "size", len(value)))
