@@ -2,14 +2,17 @@
 
 ``ProcessedInputError`` is a per-request error: the request that carried the bad tensors fails with
 a message naming the modality, the item, the field, what was expected and what was found; the engine
-and every other request are untouched. It subclasses ``ValueError`` because that is what vLLM's
-input processing raises for bad requests (and what its frontends turn into a 400).
+and every other request are untouched. It is a ``VLLMValidationError``, vLLM's client-error (4xx)
+class, so that ``AsyncLLM.generate`` re-raises it to the caller as it is, and a ``ValueError``, what
+vLLM's offline ``LLM`` and most callers expect of bad input.
 """
 
 from __future__ import annotations
 
+from vllm.exceptions import VLLMValidationError
 
-class ProcessedInputError(ValueError):
+
+class ProcessedInputError(VLLMValidationError, ValueError):
     """Already-processed multimodal tensors that don't fit the model or the prompt."""
 
     def __init__(

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The project's test command: environment, tiny checkpoints, then the whole pytest suite.
+#   scripts/test.sh [pytest args...]
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+bash scripts/setup_env.sh
+VENV=${MMSERVE_VENV:-$ROOT/.venv}
+"$VENV/bin/python" -m mmserve.tiny_models
+set +e
+"$VENV/bin/python" -m pytest "$@"
+rc=$?
+set -e
+if [[ $rc -eq 5 ]]; then
+  echo "scripts/test.sh: pytest collected no tests; a run that executes no test is not a pass" >&2
+  exit 1
+fi
+exit $rc

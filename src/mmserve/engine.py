@@ -1,0 +1,102 @@
+"""One vLLM ``AsyncLLM`` (V1) on its own asyncio loop thread.
+
+Used by the Triton ``mm_llm`` model (whose ``execute`` runs on Triton's threads), by the tests and
+by the benchmarks: callers on any thread submit coroutines with ``submit``; the engine's output
+handler keeps running on the loop thread between calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.outputs import RequestOutput
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from mmserve.inputs import engine_kwargs
+
+T = TypeVar("T")
+
+
+class EngineRunner:
+    """An ``AsyncLLM`` serving ``model`` through its family's pass-through architecture.
+
+    Args:
+        model: local checkpoint directory.
+        **overrides: vLLM engine arguments (``max_model_len``, ``dtype``, ...).
+    """
+
+    def __init__(self, model: str, **overrides: Any) -> None:
+        self.engine_args = engine_kwargs(model, **overrides)
+        self._ids = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="mmserve-engine", daemon=True)
+        self._thread.start()
+        try:
+            self.engine: AsyncLLM = self.submit(self._create()).result()
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    async def _create(self) -> AsyncLLM:
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the engine's loop; returns a thread-safe future."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def stream(
+        self, prompt: dict[str, Any], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's output stream for one request (call on the loop)."""
+        return self.engine.generate(prompt, params, request_id or self.new_request_id())
+
+    async def generate(
+        self, prompt: dict[str, Any], params: SamplingParams, request_id: str | None = None
+    ) -> RequestOutput:
+        """Run one request to completion (call on the loop); returns the final output."""
+        final: RequestOutput | None = None
+        async for output in self.stream(prompt, params, request_id):
+            final = output
+        assert final is not None and final.finished
+        return final
+
+    def generate_sync(
+        self, prompt: dict[str, Any], params: SamplingParams, timeout: float | None = None
+    ) -> RequestOutput:
+        """Blocking ``generate`` from any thread other than the loop's."""
+        return self.submit(self.generate(prompt, params)).result(timeout)
+
+    def shutdown(self) -> None:
+        """Stop the engine (its core process included) and the loop thread."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+            self.engine = None  # type: ignore[assignment]
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+        if not self._loop.is_running() and not self._loop.is_closed():
+            self._loop.close()
+
+    def __enter__(self) -> EngineRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,47 @@
+"""Deterministic sample media for tests, benchmarks and the README's example client call."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image
+
+AUDIO_SAMPLE_RATE = 16_000
+
+
+def sample_image(seed: int = 0, size: tuple[int, int] = (112, 84)) -> Image.Image:
+    """An RGB image of smooth colour gradients plus seeded noise (width, height = ``size``)."""
+    rng = np.random.default_rng(seed)
+    width, height = size
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack(
+        [(x * (3 + seed % 5)) % 256, (y * (2 + seed % 7)) % 256, ((x + y) * (1 + seed % 3)) % 256],
+        axis=-1,
+    )
+    noise = rng.integers(0, 64, size=(height, width, 3))
+    return Image.fromarray(((base + noise) % 256).astype(np.uint8), "RGB")
+
+
+def sample_audio(seed: int = 0, seconds: float = 1.0, sample_rate: int = AUDIO_SAMPLE_RATE) -> np.ndarray:
+    """A mono float32 clip: two seeded tones plus a little noise, in [-1, 1]."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sample_rate)) / sample_rate
+    f1, f2 = 220 + 40 * (seed % 11), 550 + 70 * (seed % 5)
+    wave = 0.5 * np.sin(2 * np.pi * f1 * t) + 0.3 * np.sin(2 * np.pi * f2 * t)
+    wave += 0.05 * rng.standard_normal(t.shape)
+    return (wave / np.abs(wave).max()).astype(np.float32)
+
+
+def encode_image(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def encode_audio(wave: np.ndarray, sample_rate: int = AUDIO_SAMPLE_RATE, fmt: str = "WAV") -> bytes:
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, wave, sample_rate, format=fmt)
+    return buffer.getvalue()
