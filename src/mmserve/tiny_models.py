@@ -1,0 +1,752 @@
+"""Tiny, deterministic, random-weight checkpoints of the supported model families, built offline.
+
+Each family is written as a complete Hugging Face directory (``config.json``, ``model.safetensors``,
+``generation_config.json``, a byte-level BPE tokenizer with the family's special tokens and a
+Qwen-style chat template, and the processor configuration saved with ``save_pretrained``) that HF
+transformers 5.19 and vLLM 0.32 (CPU) both load. The weights are random, so the text is gibberish,
+but every layer is the real architecture: what the tests compare is that two implementations turn the
+same raw inputs into the same tokens.
+
+Families (``FAMILIES``):
+
+* ``qwen2_5_omni`` - the Qwen2.5-Omni *thinker* (text + image + audio). The directory holds the full
+  ``Qwen2_5OmniConfig`` (architecture ``Qwen2_5OmniModel``, ``enable_audio_output=False``, weights under
+  ``thinker.``) because that is what vLLM expects; HF loads the thinker from it (see
+  ``mmserve.hf_reference``). No talker / token2wav weights are written: vLLM skips those prefixes and
+  HF builds neither module when audio output is disabled.
+* ``qwen2_5_vl`` - ``Qwen2_5_VLForConditionalGeneration`` (text + image).
+* ``qwen2_audio`` - ``Qwen2AudioForConditionalGeneration`` (text + audio).
+
+Build everything (idempotent; ``--force`` rebuilds)::
+
+    python -m mmserve.tiny_models [--out models] [--family NAME ...] [--force]
+
+The same builder version and seed give byte-identical files on every build: the tokenizer is trained
+on text generated from a word list embedded below with a seeded ``random.Random``, and every parameter
+is drawn from a generator seeded by (seed, family, parameter name).
+
+What the two loaders need (each found the hard way):
+
+* every config sets ``tie_word_embeddings=False`` (top level and text config): otherwise vLLM ties
+  ``lm_head`` to the embeddings and every token differs from HF;
+* Qwen2-Audio: transformers 5.19 saves ``language_model.model.model.*``; the file holds the hub layout
+  ``language_model.model.*`` that vLLM loads (HF loads it too);
+* Qwen2.5-Omni: the tokenizer carries the named tokens the Omni processor reads (``image_token``,
+  ``audio_token``, ``vision_bos_token``, ...), and the thinker config carries ``vision_start_token_id``
+  (HF's rope-index code reads it; it is not a declared field);
+* head_dim is 32 everywhere (vLLM's CPU attention has no kernel for 16), and ``mrope_section``
+  [4, 6, 6] sums to head_dim / 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# Bump whenever anything below changes what is written: existing directories are then rebuilt.
+BUILDER_VERSION = 1
+MARKER_FILE = "mmserve_tiny_model.json"
+FAMILIES: tuple[str, ...] = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio")
+DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "models"
+
+# ---------------------------------------------------------------------------------------------------
+# Sizes (see /work/shared/ENVIRONMENT.md): CPU attention in vLLM needs head_dim >= 32.
+TEXT_HIDDEN = 128
+TEXT_LAYERS = 2
+TEXT_HEADS = 4  # head_dim 32
+TEXT_KV_HEADS = 2
+TEXT_INTERMEDIATE = 256
+MAX_POSITIONS = 32768
+ROPE_THETA = 1_000_000.0
+MROPE_SECTION = [4, 6, 6]  # sums to head_dim / 2 = 16
+
+VISION = dict(
+    depth=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=2,  # head_dim 32
+    in_channels=3,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    out_hidden_size=TEXT_HIDDEN,
+    fullatt_block_indexes=[1],  # layer 0 uses windowed attention, layer 1 full attention
+)
+AUDIO_ENCODER = dict(
+    num_mel_bins=128,
+    encoder_layers=2,
+    encoder_attention_heads=2,  # head_dim 32
+    encoder_ffn_dim=128,
+    d_model=64,
+    max_source_positions=1500,
+)
+MIN_PIXELS = 56 * 56  # 3136
+MAX_PIXELS = 448 * 448  # 200704: at most (448/14/2)^2 = 256 placeholder tokens per image
+SAMPLING_RATE = 16_000
+
+BPE_VOCAB_SIZE = 1400  # byte-level BPE tokens before the special tokens
+# Weight scales, chosen so that greedy decoding depends strongly on the media (different images or
+# sounds give different tokens), does not fall into a one-token loop, and has wide logit margins (so
+# that float differences between implementations do not flip an argmax). Norm weights are 1.
+INIT_STD = 0.1  # every other matrix and bias
+EMBED_STD = 0.02  # token embeddings: small, so the residual stream is dominated by attention to context
+LM_HEAD_STD = 1.0  # logits with a std of ~11
+TEXT_QK_STD = 0.4  # the LLM's q/k projections: peaked attention, so long media do not wash out context
+
+# ---------------------------------------------------------------------------------------------------
+# Special tokens, in the order (and with the names) of the real checkpoints' added tokens.
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+
+SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {
+    "qwen2_5_vl": (
+        ENDOFTEXT, IM_START, IM_END,
+        "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
+        "<|quad_start|>", "<|quad_end|>",
+        "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+    ),
+    "qwen2_audio": (
+        ENDOFTEXT, IM_START, IM_END,
+        "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>",
+    ),
+    "qwen2_5_omni": (
+        ENDOFTEXT, IM_START, IM_END,
+        "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>",
+        "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
+        "<|vision_bos|>", "<|vision_eos|>", "<|vision_pad|>", "<|IMAGE|>", "<|VIDEO|>",
+    ),
+}
+
+# Named token attributes the HF processors read from the tokenizer (``tokenizer.image_token`` ...).
+TOKENIZER_TOKEN_ATTRIBUTES: dict[str, dict[str, str]] = {
+    "qwen2_5_vl": {
+        "image_token": "<|image_pad|>",
+        "video_token": "<|video_pad|>",
+    },
+    "qwen2_audio": {
+        "audio_token": "<|AUDIO|>",
+        "audio_bos_token": "<|audio_bos|>",
+        "audio_eos_token": "<|audio_eos|>",
+    },
+    "qwen2_5_omni": {
+        "image_token": "<|IMAGE|>",
+        "audio_token": "<|AUDIO|>",
+        "video_token": "<|VIDEO|>",
+        "vision_bos_token": "<|vision_bos|>",
+        "vision_eos_token": "<|vision_eos|>",
+        "audio_bos_token": "<|audio_bos|>",
+        "audio_eos_token": "<|audio_eos|>",
+    },
+}
+
+# ---------------------------------------------------------------------------------------------------
+# Chat templates: the structure of the real Qwen templates (system default, im_start/im_end turns,
+# media placeholders in the order the parts are given, add_generation_prompt).
+_TEMPLATE_HEAD = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n"
+    "{% else %}"
+    "{% for content in message['content'] %}"
+)
+_TEMPLATE_TAIL = (
+    "{% elif 'text' in content %}"
+    "{{ content['text'] }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n"
+    "{% endif %}"
+)
+_IS_IMAGE = "content['type'] == 'image' or 'image' in content or 'image_url' in content"
+_IS_VIDEO = "content['type'] == 'video' or 'video' in content"
+_IS_AUDIO = "content['type'] == 'audio' or 'audio' in content or 'audio_url' in content"
+
+CHAT_TEMPLATES: dict[str, str] = {
+    "qwen2_5_vl": (
+        "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+        + _TEMPLATE_HEAD
+        + "{% if " + _IS_IMAGE + " %}"
+        "{% set image_count.value = image_count.value + 1 %}"
+        "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+        "<|vision_start|><|image_pad|><|vision_end|>"
+        "{% elif " + _IS_VIDEO + " %}"
+        "{% set video_count.value = video_count.value + 1 %}"
+        "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+        "<|vision_start|><|video_pad|><|vision_end|>"
+        + _TEMPLATE_TAIL
+    ),
+    "qwen2_audio": (
+        "{% set audio_count = namespace(value=0) %}"
+        + _TEMPLATE_HEAD
+        + "{% if " + _IS_AUDIO + " %}"
+        "{% set audio_count.value = audio_count.value + 1 %}"
+        "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n"
+        + _TEMPLATE_TAIL
+    ),
+    "qwen2_5_omni": (
+        "{% set audio_count = namespace(value=0) %}{% set image_count = namespace(value=0) %}"
+        "{% set video_count = namespace(value=0) %}"
+        + _TEMPLATE_HEAD
+        + "{% if " + _IS_IMAGE + " %}"
+        "{% set image_count.value = image_count.value + 1 %}"
+        "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+        "<|vision_bos|><|IMAGE|><|vision_eos|>"
+        "{% elif " + _IS_AUDIO + " %}"
+        "{% set audio_count.value = audio_count.value + 1 %}"
+        "{% if add_audio_id %}Audio {{ audio_count.value }}: {% endif %}"
+        "<|audio_bos|><|AUDIO|><|audio_eos|>"
+        "{% elif " + _IS_VIDEO + " %}"
+        "{% set video_count.value = video_count.value + 1 %}"
+        "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+        "<|vision_bos|><|VIDEO|><|vision_eos|>"
+        + _TEMPLATE_TAIL
+    ),
+}
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer training text: sentences drawn with a seeded RNG from this fixed word list.
+_WORDS = """
+a about above across act add after again against age ago air all almost alone along already also
+although always am among an and animal another answer any appear apple are area arm around art as ask
+at audio away baby back bad ball bank base be bear beautiful because bed been before began begin behind
+being believe bell below best better between big bird black blue board boat body book both bottom box
+boy bread break bright bring brother brown build built burn busy but buy by call came camera can car
+care carry case cat catch cause center certain chair change check child children choose circle city
+class clean clear close cloud coast cold color come common complete could country course cover cross
+cry cup cut dance dark day dear decide deep describe detail did different dinner direction do doctor
+does dog done door double down draw dream dress drink drive dry during each early earth east easy eat
+edge egg eight either else end energy enough even evening ever every example eye face fact fall family
+far farm fast father feel feet few field fight figure fill final find fine finger finish fire first
+fish five floor flower fly follow food foot for force forest form found four free fresh friend from
+front fruit full game garden gave general get girl give glass go gold gone good got grass gray great
+green ground group grow had hair half hand happen happy hard has hat have he head hear heard heart heat
+heavy help her here high hill him his hold hole home hope horse hot hour house how however hundred
+hunt idea if image important in inside instead into is island it its just keep kept key kind king
+knew know lady lake land language large last late laugh lay lead learn leave left leg less let letter
+level life light like line list listen little live long look lost loud love low machine made main make
+man many map mark market may me mean measure meet men middle might mile milk mind minute miss modern
+moment money month moon more morning most mother mountain mouth move much music must my name near
+need never new next night nine no noise north nose not note nothing now number object ocean of off
+offer office often old on once one only open or orange order other our out over own page paint paper
+part party pass past path people perhaps person picture piece place plan plant play please point
+poor position possible power present pretty problem pull purple push put question quick quiet quite
+rain ran reach read ready real really record red remember rest rich ride right ring river road rock
+room round row rule run said same sat saw say school science sea season seat second see seem sell send
+sentence serve set seven shape sharp she ship shore short should show side sign silver simple since
+sing sister sit six size sky sleep slow small smile snow so soft soil some something song soon sound
+south space speak special speech spring square stand star start state station stay step still stone
+stop store story street strong student study such summer sun sure surface sweet table tail take talk
+tall teach team tell ten test than thank that the their them then there these they thing think third
+this those though thought three through time tiny to today together told tone too took top touch
+toward town track train travel tree triangle trip true try turn twenty two under until up upon us use
+usual valley very view village visit voice wait walk wall want warm was wash watch water wave way we
+weather week weight well went were west what wheel when where which while white who whole why wide
+wild will wind window winter wish with without woman wonder wood word work world would write wrote
+yard year yellow yes yet you young your zero
+user assistant system helpful Picture Audio Video Describe Transcribe What Which
+"""
+_PUNCT = (".", ".", ".", "?", "!", ",", ";", ":")
+
+
+def _training_text(seed: int = 1234, lines: int = 6000) -> list[str]:
+    words = _WORDS.split()
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        n = rng.randint(3, 14)
+        sentence = " ".join(rng.choice(words) for _ in range(n))
+        if rng.random() < 0.5:
+            sentence = sentence.capitalize()
+        if rng.random() < 0.3:
+            sentence += f" {rng.randint(0, 9999)}"
+        out.append(sentence + rng.choice(_PUNCT) + ("\n" if rng.random() < 0.2 else ""))
+    # The chat template's fixed text, so that role names and the default system prompt are few tokens.
+    out += ["system\nYou are a helpful assistant.\n", "user\n", "assistant\n"] * 200
+    return out
+
+
+# Qwen2's pre-tokenizer regex (transformers/models/qwen2/tokenization_qwen2.py).
+_QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def _train_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A byte-level BPE with Qwen2's pre-tokenization, trained on the embedded text (deterministic)."""
+    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+
+    tok = Tokenizer(BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    tok.train_from_iterator(_training_text(), trainer)
+    model = json.loads(tok.to_str())["model"]
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    return dict(model["vocab"]), merges
+
+
+def build_tokenizer(family: str):
+    """The family's tokenizer: the shared BPE vocabulary, then the family's special tokens."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = _train_bpe()
+    base = len(vocab)
+    for i, token in enumerate(SPECIAL_TOKENS[family]):
+        vocab[token] = base + i
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        errors="replace",
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+        model_max_length=MAX_POSITIONS,
+        extra_special_tokens=dict(TOKENIZER_TOKEN_ATTRIBUTES[family]),
+    )
+    tokenizer.add_special_tokens(
+        {
+            "extra_special_tokens": [
+                AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS[family]
+            ]
+        },
+        replace_extra_special_tokens=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATES[family]
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS[family]}
+    assert ids == {t: base + i for i, t in enumerate(SPECIAL_TOKENS[family])}, ids
+    assert len(tokenizer) == base + len(SPECIAL_TOKENS[family]), len(tokenizer)
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configs
+
+
+def _text_config(vocab_size: int, ids: dict[str, int], *, mrope: bool, **extra) -> dict:
+    rope = {"rope_type": "default", "rope_theta": ROPE_THETA}
+    if mrope:
+        rope["mrope_section"] = list(MROPE_SECTION)
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=TEXT_HIDDEN,
+        intermediate_size=TEXT_INTERMEDIATE,
+        num_hidden_layers=TEXT_LAYERS,
+        num_attention_heads=TEXT_HEADS,
+        num_key_value_heads=TEXT_KV_HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-6,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        pad_token_id=ids[ENDOFTEXT],
+        eos_token_id=ids[IM_END],
+        **extra,
+    )
+
+
+def build_config(family: str, tokenizer):
+    """The family's HF config (the top-level config that goes into config.json)."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5OmniConfig,
+        Qwen2_5OmniTalkerConfig,
+        Qwen2_5OmniThinkerConfig,
+        Qwen2AudioConfig,
+    )
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS[family]}
+    vocab_size = len(tokenizer)
+    if family == "qwen2_5_vl":
+        config = Qwen2_5_VLConfig(
+            text_config=_text_config(vocab_size, ids, mrope=True, bos_token_id=None),
+            vision_config=dict(VISION, tokens_per_second=2),
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+            tie_word_embeddings=False,
+        )
+        config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    elif family == "qwen2_audio":
+        config = Qwen2AudioConfig(
+            audio_config=dict(AUDIO_ENCODER, model_type="qwen2_audio_encoder"),
+            text_config=_text_config(vocab_size, ids, mrope=False, model_type="qwen2"),
+            audio_token_index=ids["<|AUDIO|>"],
+        )
+        config.architectures = ["Qwen2AudioForConditionalGeneration"]
+    elif family == "qwen2_5_omni":
+        user_ids = tokenizer.encode("user", add_special_tokens=False)
+        thinker = Qwen2_5OmniThinkerConfig(
+            audio_config=dict(AUDIO_ENCODER, output_dim=TEXT_HIDDEN, n_window=100),
+            vision_config=dict(VISION),
+            text_config=_text_config(vocab_size, ids, mrope=True),
+            audio_token_index=ids["<|AUDIO|>"],
+            image_token_index=ids["<|IMAGE|>"],
+            video_token_index=ids["<|VIDEO|>"],
+            audio_start_token_id=ids["<|audio_bos|>"],
+            audio_end_token_id=ids["<|audio_eos|>"],
+            # Read by HF's get_rope_index (not a declared field of the thinker config).
+            vision_start_token_id=ids["<|vision_bos|>"],
+            vision_end_token_id=ids["<|vision_eos|>"],
+            user_token_id=user_ids[0],
+            position_id_per_seconds=25,
+            seconds_per_chunk=2,
+            tie_word_embeddings=False,
+        )
+        # No talker weights are written (enable_audio_output=False: HF builds no talker/token2wav,
+        # vLLM skips those prefixes). Its config is only made tiny and consistent with this vocabulary
+        # instead of the defaults, which name the 7B checkpoint's token ids. The tts_text_* ids are
+        # placeholders: this vocabulary has no TTS tokens.
+        talker = Qwen2_5OmniTalkerConfig(
+            vocab_size=8448,
+            embedding_size=TEXT_HIDDEN,
+            hidden_size=TEXT_HIDDEN,
+            intermediate_size=TEXT_INTERMEDIATE,
+            num_hidden_layers=TEXT_LAYERS,
+            num_attention_heads=TEXT_HEADS,
+            num_key_value_heads=TEXT_KV_HEADS,
+            head_dim=TEXT_HIDDEN // TEXT_HEADS,
+            max_position_embeddings=MAX_POSITIONS,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": ROPE_THETA,
+                "mrope_section": list(MROPE_SECTION),
+            },
+            audio_token_index=ids["<|AUDIO|>"],
+            image_token_index=ids["<|IMAGE|>"],
+            video_token_index=ids["<|VIDEO|>"],
+            vision_start_token_id=ids["<|vision_bos|>"],
+            vision_end_token_id=ids["<|vision_eos|>"],
+            audio_start_token_id=ids["<|audio_bos|>"],
+            audio_end_token_id=ids["<|audio_eos|>"],
+            tts_text_start_token_id=ids[IM_START],
+            tts_text_end_token_id=ids[IM_END],
+            tts_text_pad_token_id=ids[ENDOFTEXT],
+            spatial_merge_size=VISION["spatial_merge_size"],
+        )
+        config = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, enable_audio_output=False)
+        config.architectures = ["Qwen2_5OmniModel"]
+    else:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    config.dtype = "float32"
+    return config
+
+
+def build_processor(family: str, tokenizer):
+    """The family's HF processor around ``tokenizer`` (image processor / feature extractor sized here)."""
+    from transformers import (
+        Qwen2_5_VLProcessor,
+        Qwen2_5OmniProcessor,
+        Qwen2AudioProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+        WhisperFeatureExtractor,
+    )
+
+    def image_processor():
+        return Qwen2VLImageProcessor(
+            min_pixels=MIN_PIXELS,
+            max_pixels=MAX_PIXELS,
+            patch_size=VISION["patch_size"],
+            temporal_patch_size=VISION["temporal_patch_size"],
+            merge_size=VISION["spatial_merge_size"],
+        )
+
+    def video_processor():
+        return Qwen2VLVideoProcessor(
+            min_pixels=MIN_PIXELS,
+            max_pixels=MAX_PIXELS,
+            patch_size=VISION["patch_size"],
+            temporal_patch_size=VISION["temporal_patch_size"],
+            merge_size=VISION["spatial_merge_size"],
+        )
+
+    def feature_extractor():
+        return WhisperFeatureExtractor(
+            feature_size=AUDIO_ENCODER["num_mel_bins"],
+            sampling_rate=SAMPLING_RATE,
+            hop_length=160,
+            chunk_length=30,
+            n_fft=400,
+            padding_value=0.0,
+            return_attention_mask=True,
+        )
+
+    template = CHAT_TEMPLATES[family]
+    if family == "qwen2_5_vl":
+        return Qwen2_5_VLProcessor(
+            image_processor=image_processor(),
+            tokenizer=tokenizer,
+            video_processor=video_processor(),
+            chat_template=template,
+        )
+    if family == "qwen2_audio":
+        return Qwen2AudioProcessor(
+            feature_extractor=feature_extractor(), tokenizer=tokenizer, chat_template=template
+        )
+    if family == "qwen2_5_omni":
+        return Qwen2_5OmniProcessor(
+            image_processor=image_processor(),
+            video_processor=video_processor(),
+            feature_extractor=feature_extractor(),
+            tokenizer=tokenizer,
+            chat_template=template,
+        )
+    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Weights
+
+
+def _sinusoids(length: int, channels: int, max_timescale: float = 10_000.0):
+    """Whisper's sinusoidal position table (what Qwen2-Audio's ``embed_positions`` holds), float64."""
+    import numpy as np
+
+    log_increment = math.log(max_timescale) / (channels // 2 - 1)
+    inv_timescales = np.exp(-log_increment * np.arange(channels // 2, dtype=np.float64))
+    scaled = np.arange(length, dtype=np.float64)[:, None] * inv_timescales[None, :]
+    return np.concatenate([np.sin(scaled), np.cos(scaled)], axis=1)
+
+
+def _init_parameters(model, family: str, seed: int) -> None:
+    """Re-draw every parameter, each from its own generator seeded by (seed, family, name).
+
+    Independent of HF's init order, and different across families that share parameter names. Drawn
+    with numpy's PCG64 in float64 and rounded to float32, which is reproducible across machines.
+    """
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("embed_positions.weight"):  # Qwen2-Audio: a fixed table, not learned
+                table = _sinusoids(*param.shape)
+            elif param.ndim == 1 and ("norm" in name or "ln_" in name):
+                table = np.full(param.shape, 1.0 if name.endswith("weight") else 0.0)
+            else:
+                in_llm = "audio_tower" not in name and "visual" not in name
+                if "embed_tokens" in name:
+                    std = EMBED_STD
+                elif "lm_head" in name:
+                    std = LM_HEAD_STD
+                elif in_llm and ("self_attn.q_proj" in name or "self_attn.k_proj" in name):
+                    std = TEXT_QK_STD
+                else:
+                    std = INIT_STD
+                rng = np.random.Generator(np.random.PCG64([seed, zlib.crc32(f"{family}/{name}".encode())]))
+                table = rng.standard_normal(tuple(param.shape)) * std
+            param.copy_(torch.from_numpy(np.asarray(table, dtype=np.float32)))
+
+
+def _model_class(family: str):
+    import transformers
+
+    return {
+        "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+        "qwen2_audio": transformers.Qwen2AudioForConditionalGeneration,
+        "qwen2_5_omni": transformers.Qwen2_5OmniForConditionalGeneration,
+    }[family]
+
+
+# transformers 5.19 writes Qwen2-Audio's text model as language_model.model.model.*; the hub layout
+# (and vLLM's loader) is language_model.model.*. HF loads either.
+_KEY_FIXES: dict[str, list[tuple[str, str]]] = {
+    "qwen2_audio": [(r"^language_model\.model\.model\.", "language_model.model.")],
+}
+
+
+def _write_weights(model, family: str, out_dir: Path) -> None:
+    """save_pretrained's key layout, fixed where needed, written as one deterministic safetensors file."""
+    from safetensors.torch import load_file, save_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        files = sorted(Path(tmp).glob("*.safetensors"))
+        state = {}
+        for f in files:
+            state.update(load_file(str(f)))
+    fixed = {}
+    for key, tensor in state.items():
+        for pattern, repl in _KEY_FIXES.get(family, []):
+            key = re.sub(pattern, repl, key)
+        fixed[key] = tensor.contiguous()
+    save_file(dict(sorted(fixed.items())), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _generation_config(tokenizer):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)],
+        pad_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Build
+
+
+@dataclass(frozen=True)
+class _Marker:
+    family: str
+    builder_version: int
+    seed: int
+
+    def dumps(self) -> str:
+        return json.dumps(
+            {"family": self.family, "builder_version": self.builder_version, "seed": self.seed},
+            indent=2,
+            sort_keys=True,
+        ) + "\n"
+
+
+def is_built(family: str, out_dir: Path, *, seed: int = 0) -> bool:
+    """True when ``out_dir`` holds this builder version's ``family`` checkpoint for ``seed``."""
+    marker = Path(out_dir) / MARKER_FILE
+    if not marker.is_file():
+        return False
+    try:
+        return marker.read_text() == _Marker(family, BUILDER_VERSION, seed).dumps()
+    except OSError:
+        return False
+
+
+def build(family: str, out_dir: Path, *, seed: int = 0, force: bool = False) -> Path:
+    """Write the tiny ``family`` checkpoint to ``out_dir`` (skipped when already built) and return it."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    out_dir = Path(out_dir)
+    if not force and is_built(family, out_dir, seed=seed):
+        return out_dir
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    # HF warns about the *default* talker config it instantiates while serializing the Omni config.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    # Build into a sibling temp dir and swap it in, so an interrupted build never looks complete.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        tokenizer = build_tokenizer(family)
+        config = build_config(family, tokenizer)
+        model = _model_class(family)(config).eval().to(torch.float32)
+        _init_parameters(model, family, seed)
+
+        config.save_pretrained(staging)
+        _write_weights(model, family, staging)
+        _generation_config(tokenizer).save_pretrained(staging)
+        build_processor(family, tokenizer).save_pretrained(staging)
+        (staging / MARKER_FILE).write_text(_Marker(family, BUILDER_VERSION, seed).dumps())
+
+        staging.chmod(0o755)
+        for f in staging.iterdir():
+            f.chmod(0o644)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        try:
+            staging.rename(out_dir)
+        except OSError:
+            # Another process finished the same build first: keep its (identical) result.
+            if not is_built(family, out_dir, seed=seed):
+                raise
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def build_all(
+    root: Path = DEFAULT_ROOT,
+    *,
+    families: Sequence[str] = FAMILIES,
+    seed: int = 0,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, Path]:
+    """Build every family (or ``families``) under ``root/<family>/``; returns family -> directory."""
+    root = Path(root)
+    paths: dict[str, Path] = {}
+    for family in families:
+        out_dir = root / family
+        if not force and is_built(family, out_dir, seed=seed):
+            log(f"[tiny_models] {family}: up to date at {out_dir}")
+        else:
+            start = time.perf_counter()
+            build(family, out_dir, seed=seed, force=True)
+            log(f"[tiny_models] {family}: built at {out_dir} in {time.perf_counter() - start:.1f}s")
+        paths[family] = out_dir
+    return paths
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    """sha256 of every file under ``path`` (relative path -> hex digest), for determinism checks."""
+    path = Path(path)
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mmserve.tiny_models", description="Build tiny random-weight checkpoints."
+    )
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_ROOT, help=f"root directory (default {DEFAULT_ROOT})"
+    )
+    parser.add_argument(
+        "--family", action="append", choices=FAMILIES, help="family to build (repeatable; default all)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    args = parser.parse_args(argv)
+    build_all(args.out, families=tuple(args.family or FAMILIES), seed=args.seed, force=args.force)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
