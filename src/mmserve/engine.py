@@ -29,11 +29,14 @@ class EngineRunner:
 
     Args:
         model: local checkpoint directory.
+        stat_loggers: vLLM stat logger factories (e.g. Triton metrics); with them, vLLM's own
+            periodic stats logging stays off unless ``disable_log_stats=False`` is passed.
         **overrides: vLLM engine arguments (``max_model_len``, ``dtype``, ...).
     """
 
-    def __init__(self, model: str, **overrides: Any) -> None:
+    def __init__(self, model: str, *, stat_loggers: list[Any] | None = None, **overrides: Any) -> None:
         self.engine_args = engine_kwargs(model, **overrides)
+        self._stat_loggers = stat_loggers
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mmserve-engine", daemon=True)
@@ -45,7 +48,10 @@ class EngineRunner:
             raise
 
     async def _create(self) -> AsyncLLM:
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+        args = AsyncEngineArgs(**self.engine_args)
+        if self._stat_loggers:
+            return AsyncLLM.from_engine_args(args, stat_loggers=self._stat_loggers)
+        return AsyncLLM.from_engine_args(args)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -82,11 +88,19 @@ class EngineRunner:
 
     def shutdown(self) -> None:
         """Stop the engine (its core process included) and the loop thread."""
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
-            self.engine = None  # type: ignore[assignment]
+        if getattr(self, "engine", None) is not None and self._loop.is_running():
+            self.submit(self._close()).result(timeout=120)
         self._stop_loop()
+
+    async def _close(self) -> None:
+        # On the loop, so the engine's output handler is cancelled before its core goes away.
+        engine, self.engine = self.engine, None  # type: ignore[assignment]
+        engine.shutdown()
+        current = asyncio.current_task()
+        pending = [task for task in asyncio.all_tasks() if task is not current]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     def _stop_loop(self) -> None:
         if self._loop.is_running():

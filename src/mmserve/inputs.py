@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from mmserve.families import FamilySpec, family_for_architecture
+
+
+MODEL_ENV = "MMSERVE_MODEL"
+"""Environment variable that names the checkpoint to serve, over what the model repository says."""
+
+
+def resolve_model(configured: str | None, base_dir: str | Path) -> str:
+    """The checkpoint directory to serve: ``$MMSERVE_MODEL`` if set, else ``configured`` (relative
+    paths are relative to ``base_dir``, the folder of the file that configured it)."""
+    model = os.environ.get(MODEL_ENV) or configured
+    if not model:
+        raise ValueError(f"no model configured in {base_dir} and {MODEL_ENV} is not set")
+    path = Path(model)
+    if not path.is_absolute():
+        path = (Path(base_dir) / path).resolve()
+    return str(path)
 
 
 def family_of_checkpoint(model: str | Path) -> FamilySpec:

@@ -1,0 +1,97 @@
+# mmserve GPU image: Triton Inference Server (Python backend) + vLLM 0.32.0 (CUDA) + this project.
+#
+#   docker build -t mmserve .
+#   docker run --gpus all --shm-size=2g -p 8000-8002:8000-8002 mmserve        # tiny built-in model
+#   docker run --gpus all --shm-size=2g -p 8000-8002:8000-8002 \
+#       -v /path/to/Qwen2.5-Omni-7B:/models/omni:ro -e MMSERVE_MODEL=/models/omni mmserve
+#
+# See docker/README.md. Versions:
+# * tritonserver 25.10 (Triton 2.62): Ubuntu 24.04 with Python 3.12, CUDA 13.0.2. vLLM 0.32.0 needs
+#   Python >=3.11,<3.15 (the 24.xx releases before 24.12 ship 3.10); its torch 2.13.0 from PyPI is a
+#   CUDA 13.0 build, the same CUDA minor as this base (host driver R580 or later).
+# * the Python packages the project is tested with (requirements/lock.txt), where vLLM allows them.
+ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:25.10-py3
+FROM ${TRITON_IMAGE}
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# Ubuntu 24.04 marks the system Python externally managed (PEP 668); this image *is* the environment,
+# and the Python-backend stub embeds exactly this interpreter, so packages go into it.
+ENV PIP_BREAK_SYSTEM_PACKAGES=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONUNBUFFERED=1 \
+    LANG=C.UTF-8 \
+    LC_ALL=C.UTF-8
+
+# A C compiler and Python headers: OpenAI Triton (vLLM's and torch.compile's kernels) builds its small
+# C launchers at run time. curl: the HEALTHCHECK. DL3008 (unpinned apt versions) is ignored on purpose:
+# these are Ubuntu's security-updated builds for the pinned base image; exact versions drop off the
+# archive (and libc6-dev must equal the base image's libc6), so pinning them would break the build.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends build-essential python3-dev python3-pip curl \
+    && rm -rf /var/lib/apt/lists/*
+
+# vLLM's CUDA wheel brings torch 2.13.0 (+cu13.0 runtime libs), torchvision, flashinfer and the rest of
+# its requirements; the project's own runtime needs are pinned beside it (lock.txt versions).
+RUN python3 -m pip install \
+        "vllm==0.32.0" \
+        "transformers==5.19.0" \
+        "tritonclient[grpc,http]==2.73.0" \
+        "numpy==2.3.5" \
+        "pillow==13.0.0" \
+        "soundfile==0.14.0" \
+        "soxr==1.1.0"
+
+# Optional: FlashInfer's precompiled kernels for the flashinfer-python that vLLM pins (0.7.0.post1),
+# which vLLM otherwise JIT-compiles at the first engine start (what `vllm download-kernels` installs;
+# that CLI cannot run in a build without a GPU). They are not on PyPI: pass the index that serves them,
+# --build-arg FLASHINFER_INDEX_URL=<index root> (its /cu130 sub-index holds the jit cache).
+ARG FLASHINFER_INDEX_URL=""
+RUN if [ -n "${FLASHINFER_INDEX_URL}" ]; then \
+        python3 -m pip install --no-deps --index-url "${FLASHINFER_INDEX_URL}" \
+            "flashinfer-cubin==0.7.0.post1" \
+        && python3 -m pip install --no-deps --index-url "${FLASHINFER_INDEX_URL}/cu130" \
+            "flashinfer-jit-cache==0.7.0.post1+cu130"; \
+    fi
+
+# The project itself, without its dependencies (all installed above).
+WORKDIR /opt/mmserve/project
+COPY pyproject.toml README.md ./
+COPY src ./src
+RUN python3 -m pip install --no-deps --no-build-isolation . \
+    && rm -rf build src/*.egg-info \
+    && python3 -c "import torch, transformers, vllm, tritonclient.grpc, soundfile, soxr, mmserve.serving.llm, mmserve.serving.preprocess; from importlib.metadata import entry_points; assert 'mmserve' in {e.name for e in entry_points(group='vllm.general_plugins')}; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'vllm', vllm.__version__, 'transformers', transformers.__version__)"
+
+# Tiny deterministic checkpoints (random weights): what the image serves without a mounted model, and
+# what the project's end-to-end tests are computed against. model.json's default "../../models/
+# qwen2_5_omni" is relative to /opt/mmserve/model_repository/mm_llm -> /opt/mmserve/models/qwen2_5_omni
+# (preprocess resolves the same path from its own folder).
+WORKDIR /opt/mmserve
+RUN python3 -m mmserve.tiny_models --out /opt/mmserve/models
+
+COPY model_repository ./model_repository
+COPY docker/model.gpu.json ./model_repository/mm_llm/model.json
+
+# Checkpoints are local directories: never reach for the Hugging Face Hub or send usage stats.
+# MMSERVE_MODEL (unset here) names a mounted checkpoint directory for preprocess and mm_llm alike.
+ENV HF_HUB_OFFLINE=1 \
+    VLLM_NO_USAGE_STATS=1 \
+    DO_NOT_TRACK=1
+
+EXPOSE 8000 8001 8002
+
+# Ready only once every model (the vLLM engine included) has loaded: give a 7B checkpoint time.
+# DL3025 (JSON form) is ignored on purpose: Docker wants exit status 1 for "unhealthy" (2 is reserved),
+# and the shell maps curl's own codes (7, 22, 28, ...) to 1.
+# hadolint ignore=DL3025
+HEALTHCHECK --interval=30s --timeout=10s --start-period=900s --retries=3 \
+    CMD curl -fsS -o /dev/null http://127.0.0.1:8000/v2/health/ready || exit 1
+
+# The NGC image's entrypoint (/opt/nvidia/nvidia_entrypoint.sh) stays; it execs this command. The
+# Python backend's shared-memory pool starts at 32 MiB per model instance (as in the test suite's
+# server) instead of 1 MiB, for image/audio feature tensors: run with --shm-size (docker/README.md).
+CMD ["tritonserver", "--model-repository=/opt/mmserve/model_repository", \
+     "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", \
+     "--backend-config=python,shm-default-byte-size=33554432"]

@@ -1,0 +1,249 @@
+"""A small client for the served model, over gRPC (streaming) or HTTP (Triton's generate endpoints).
+
+Library use::
+
+    from mmserve.client import MMClient
+    client = MMClient("127.0.0.1:8001")                       # gRPC
+    result = client.generate("Describe.", images=["cat.png"], max_tokens=32)
+    for delta in client.stream("Describe.", images=["cat.png"]):
+        print(delta, end="", flush=True)
+
+    http = MMClient("127.0.0.1:8000", protocol="http")        # /v2/models/<model>/generate[_stream]
+
+``direct=True`` preprocesses on the client's side (the model's own HF processor, ``model`` = the
+checkpoint directory) and calls ``mm_llm`` with the processed tensors; the result is the same.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import mimetypes
+import queue
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ENSEMBLE = "mm_ensemble"
+LLM = "mm_llm"
+Media = str | Path | bytes
+
+
+@dataclass
+class Result:
+    """A finished generation (streamed deltas joined)."""
+
+    text: str
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+
+
+class ClientError(RuntimeError):
+    """The server answered with an error (its message is kept as is)."""
+
+
+def _read(media: Media) -> bytes:
+    return media if isinstance(media, bytes) else Path(media).read_bytes()
+
+
+def _data_url(media: Media) -> str:
+    mime = "application/octet-stream"
+    if not isinstance(media, bytes):
+        mime = mimetypes.guess_type(str(media))[0] or mime
+    return f"data:{mime};base64,{base64.b64encode(_read(media)).decode()}"
+
+
+class MMClient:
+    """Client of the ``mm_ensemble`` (or, with ``direct``, ``mm_llm``) model.
+
+    Args:
+        url: ``host:port`` of Triton's gRPC or HTTP endpoint.
+        protocol: ``"grpc"`` or ``"http"``.
+        direct: preprocess locally and call ``mm_llm`` (gRPC only); needs ``model``.
+        model: local checkpoint directory for ``direct``.
+    """
+
+    def __init__(self, url: str, protocol: str = "grpc", *, direct: bool = False, model: str | Path | None = None):
+        if protocol not in ("grpc", "http"):
+            raise ValueError(f"protocol must be 'grpc' or 'http', not {protocol!r}")
+        if direct and protocol != "grpc":
+            raise ValueError("direct mode sends tensors: use protocol='grpc'")
+        self.url, self.protocol, self.direct = url, protocol, direct
+        self._preprocessor = None
+        if direct:
+            if model is None:
+                raise ValueError("direct mode needs the checkpoint directory (model=...)")
+            from mmserve.serving.preprocess import Preprocessor
+
+            self._preprocessor = Preprocessor(model)
+
+    # -- public API ----------------------------------------------------------------------------
+    def stream(self, text: str, images: Sequence[Media] = (), audios: Sequence[Media] = (), **options: Any) -> Iterator[str]:
+        """Yield text deltas as the server streams them."""
+        for response in self._responses(text, images, audios, stream=True, **options):
+            yield response.text
+
+    def generate(self, text: str, images: Sequence[Media] = (), audios: Sequence[Media] = (), *,
+                 stream: bool = False, **options: Any) -> Result:
+        """Generate to completion; with ``stream`` the deltas are joined."""
+        result = Result(text="")
+        for response in self._responses(text, images, audios, stream=stream, **options):
+            result.text += response.text
+            result.output_ids += response.output_ids
+            result.finish_reason = response.finish_reason or result.finish_reason
+            result.num_input_tokens = response.num_input_tokens or result.num_input_tokens
+            if response.num_output_tokens is not None:
+                result.num_output_tokens = (result.num_output_tokens or 0) + response.num_output_tokens
+        return result
+
+    # -- request building ----------------------------------------------------------------------
+    @staticmethod
+    def sampling_parameters(**options: Any) -> dict[str, Any]:
+        """Sampling options (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ...) without Nones."""
+        return {k: v for k, v in options.items() if v is not None}
+
+    def _responses(self, text: str, images: Sequence[Media], audios: Sequence[Media], *, stream: bool,
+                   exclude_input_in_output: bool = True, apply_chat_template: bool = True,
+                   **sampling: Any) -> Iterator[Result]:
+        params = self.sampling_parameters(**sampling)
+        flags = {
+            "stream": stream,
+            "exclude_input_in_output": exclude_input_in_output,
+            "return_finish_reason": True,
+            "return_num_input_tokens": True,
+            "return_num_output_tokens": True,
+        }
+        if self.protocol == "http":
+            yield from self._http(text, images, audios, params, flags, apply_chat_template)
+        else:
+            yield from self._grpc(text, images, audios, params, flags, apply_chat_template)
+
+    def _tensors(self, text: str, images: Sequence[Media], audios: Sequence[Media],
+                 apply_chat_template: bool) -> dict[str, np.ndarray]:
+        if self._preprocessor is not None:
+            processed = self._preprocessor(text, [_read(m) for m in images], [_read(m) for m in audios],
+                                           apply_chat_template=apply_chat_template)
+            processed["text_input"] = np.array([text.encode()], dtype=np.object_)
+            return processed
+        tensors = {"text_input": np.array([text.encode()], dtype=np.object_),
+                   "apply_chat_template": np.array([apply_chat_template])}
+        if images:
+            tensors["image"] = np.array([_read(m) for m in images], dtype=np.object_)
+        if audios:
+            tensors["audio"] = np.array([_read(m) for m in audios], dtype=np.object_)
+        return tensors
+
+    # -- gRPC: bidirectional streaming (the model is decoupled) -----------------------------------
+    def _grpc(self, text, images, audios, params, flags, apply_chat_template) -> Iterator[Result]:
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import np_to_triton_dtype
+
+        tensors = self._tensors(text, images, audios, apply_chat_template)
+        tensors["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=np.object_)
+        for name, value in flags.items():
+            tensors[name] = np.array([value])
+        inputs = []
+        for name, array in tensors.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+
+        responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        client = grpcclient.InferenceServerClient(self.url)
+        try:
+            client.start_stream(callback=lambda result, error: responses.put((result, error)))
+            client.async_stream_infer(LLM if self.direct else ENSEMBLE, inputs,
+                                      request_id=uuid.uuid4().hex, enable_empty_final_response=True)
+            while True:
+                result, error = responses.get()
+                if error is not None:
+                    raise ClientError(str(error))
+                response = result.get_response()
+                final = response.parameters["triton_final_response"].bool_param
+                if response.outputs:
+                    yield _result_from(result.as_numpy)
+                if final:
+                    return
+        finally:
+            client.stop_stream()
+            client.close()
+
+    # -- HTTP: the generate endpoints (JSON, so media travel as data URLs) --------------------------
+    def _http(self, text, images, audios, params, flags, apply_chat_template) -> Iterator[Result]:
+        import requests
+
+        body: dict[str, Any] = {"text_input": text, "apply_chat_template": apply_chat_template,
+                                "sampling_parameters": json.dumps(params), **flags}
+        if images:
+            body["image"] = [_data_url(m) for m in images]
+        if audios:
+            body["audio"] = [_data_url(m) for m in audios]
+        endpoint = "generate_stream" if flags["stream"] else "generate"
+        url = f"http://{self.url}/v2/models/{ENSEMBLE}/{endpoint}"
+        with requests.post(url, json=body, stream=flags["stream"], timeout=600) as reply:
+            if reply.status_code != 200:
+                raise ClientError(_http_error(reply))
+            if not flags["stream"]:
+                yield _result_from_json(reply.json())
+                return
+            for line in reply.iter_lines(decode_unicode=True):
+                if not line or not line.startswith("data:"):
+                    continue
+                event = json.loads(line[len("data:"):])
+                if "error" in event:
+                    raise ClientError(event["error"])
+                yield _result_from_json(event)
+
+
+def _http_error(reply: Any) -> str:
+    try:
+        return reply.json().get("error", reply.text)
+    except ValueError:
+        return reply.text
+
+
+def _scalar(value: Any) -> Any:
+    array = np.asarray(value).reshape(-1)
+    if array.size == 0:
+        return None
+    item = array[0]
+    return item.decode() if isinstance(item, bytes) else item.item() if hasattr(item, "item") else item
+
+
+def _result_from(get: Any) -> Result:
+    def optional(name: str) -> Any:
+        try:
+            value = get(name)
+        except Exception:  # noqa: BLE001 - tritonclient raises for outputs not in the response
+            return None
+        return None if value is None else _scalar(value)
+
+    ids = get("output_ids")
+    return Result(
+        text=optional("text_output") or "",
+        output_ids=[] if ids is None else [int(i) for i in np.asarray(ids).reshape(-1)],
+        finish_reason=optional("finish_reason") or None,
+        num_input_tokens=optional("num_input_tokens"),
+        num_output_tokens=optional("num_output_tokens"),
+    )
+
+
+def _result_from_json(event: Mapping[str, Any]) -> Result:
+    def first(name: str) -> Any:
+        value = event.get(name)
+        return value[0] if isinstance(value, list) and value and name != "output_ids" else value
+
+    ids = event.get("output_ids") or []
+    return Result(
+        text=first("text_output") or "",
+        output_ids=[int(i) for i in (ids if isinstance(ids, list) else [ids])],
+        finish_reason=first("finish_reason") or None,
+        num_input_tokens=first("num_input_tokens"),
+        num_output_tokens=first("num_output_tokens"),
+    )

@@ -1,0 +1,87 @@
+"""vLLM engine statistics as Triton custom metrics (served on Triton's ``/metrics``), with the names
+Triton's vLLM backend uses, labelled by model and version."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+# Latency buckets (seconds) as vLLM's Prometheus logger uses them.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+
+
+class TritonMetrics:
+    """The metric families, created once per model instance through ``pb_utils``."""
+
+    def __init__(self, pb_utils: Any, labels: dict[str, str]) -> None:
+        family = pb_utils.MetricFamily
+        # A MetricFamily must outlive its Metric objects (Triton refuses updates otherwise).
+        self._families: list[Any] = []
+
+        def metric(name: str, description: str, kind: Any, **kwargs: Any) -> Any:
+            self._families.append(family(name=name, description=description, kind=kind))
+            return self._families[-1].Metric(labels=labels, **kwargs)
+
+        self.prompt_tokens = metric("vllm:prompt_tokens_total", "Number of prefill tokens processed.", family.COUNTER)
+        self.generation_tokens = metric(
+            "vllm:generation_tokens_total", "Number of generation tokens processed.", family.COUNTER
+        )
+        self.requests_success = metric(
+            "vllm:request_success_total", "Number of finished requests.", family.COUNTER
+        )
+        self.running = metric("vllm:num_requests_running", "Requests running on the engine.", family.GAUGE)
+        self.waiting = metric("vllm:num_requests_waiting", "Requests waiting to be scheduled.", family.GAUGE)
+        self.time_to_first_token = metric(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            family.HISTOGRAM, buckets=TTFT_BUCKETS,
+        )
+        self.time_per_output_token = metric(
+            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+            family.HISTOGRAM, buckets=TPOT_BUCKETS,
+        )
+        self.e2e_request_latency = metric(
+            "vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+            family.HISTOGRAM, buckets=E2E_BUCKETS,
+        )
+
+
+    def close(self) -> None:
+        """Release the metrics, then their families, while the stub can still talk to Triton
+        (left to interpreter teardown, the families' destructors crash the stub)."""
+        for name in [n for n in vars(self) if n != "_families"]:
+            delattr(self, name)
+        self._families.clear()
+
+
+class TritonStatLogger(StatLoggerBase):
+    """A vLLM V1 stat logger that feeds ``TritonMetrics`` (pass it as a factory with
+    ``functools.partial(TritonStatLogger, metrics=...)``)."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0, *, metrics: TritonMetrics) -> None:
+        self.metrics = metrics
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:  # noqa: ANN001
+        m = self.metrics
+        if scheduler_stats is not None:
+            m.running.set(scheduler_stats.num_running_reqs)
+            m.waiting.set(scheduler_stats.num_waiting_reqs)
+        if iteration_stats is None:
+            return
+        if iteration_stats.prompt_token_stats.total:
+            m.prompt_tokens.increment(iteration_stats.prompt_token_stats.total)
+        if iteration_stats.num_generation_tokens:
+            m.generation_tokens.increment(iteration_stats.num_generation_tokens)
+        for ttft in iteration_stats.time_to_first_tokens_iter:
+            m.time_to_first_token.observe(ttft)
+        for itl in iteration_stats.inter_token_latencies_iter:
+            m.time_per_output_token.observe(itl)
+        for finished in iteration_stats.finished_requests:
+            m.requests_success.increment(1)
+            m.e2e_request_latency.observe(finished.e2e_latency)
+
+    def log_engine_initialized(self) -> None:
+        pass

@@ -1,0 +1,371 @@
+"""Real tests of mmserve.triton_server: a tritonserver process on this machine, Python-backend models.
+
+One module-scoped server serves two models written into a temporary repository:
+  * ``echo``   TYPE_STRING INPUT0 -> OUTPUT0, same value;
+  * ``repeat`` decoupled: IN (INT32 [-1]) -> one response per element (OUT, IDX), then the final flag
+    (like python_backend's examples/decoupled/repeat).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from mmserve.triton_server import TritonServer, TritonServerError, find_tritonserver
+
+pytestmark = pytest.mark.server
+
+try:
+    find_tritonserver()
+except TritonServerError as exc:  # pragma: no cover - environment without nvidia-pytriton
+    pytest.skip(f"tritonserver unavailable: {exc}", allow_module_level=True)
+
+ECHO_CONFIG = """
+name: "echo"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_STRING dims: [ -1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ -1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+ECHO_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            data = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", data)]))
+        return responses
+"""
+
+REPEAT_CONFIG = """
+name: "repeat"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [
+  { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] }
+]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+REPEAT_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            sender = request.get_response_sender()
+            for idx, value in enumerate(values):
+                sender.send(pb_utils.InferenceResponse([
+                    pb_utils.Tensor("OUT", np.array([value], dtype=np.int32)),
+                    pb_utils.Tensor("IDX", np.array([idx], dtype=np.uint32)),
+                ]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+# Every dtype the project sends through Python-backend models, in and out: guards the NumPy 2 patch
+# that mmserve.triton_server applies to the stub (without it, as_numpy() repeats the first element).
+ALLTYPES = ["BOOL", "UINT8", "INT32", "INT64", "FP16", "FP32", "FP64", "STRING"]
+ALLTYPES_CONFIG = (
+    'name: "alltypes"\nbackend: "python"\nmax_batch_size: 0\ninput [\n'
+    + ",\n".join(f'  {{ name: "IN_{t}" data_type: TYPE_{t} dims: [ -1, -1 ] }}' for t in ALLTYPES)
+    + "\n]\noutput [\n"
+    + ",\n".join(f'  {{ name: "OUT_{t}" data_type: TYPE_{t} dims: [ -1, -1 ] }}' for t in ALLTYPES)
+    + "\n]\ninstance_group [ { count: 1 kind: KIND_CPU } ]\n"
+)
+ALLTYPES_MODEL = f"""
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+TYPES = {ALLTYPES!r}
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            outputs = []
+            for t in TYPES:
+                a = pb_utils.get_input_tensor_by_name(request, "IN_" + t).as_numpy()
+                if t == "STRING":
+                    b = np.array([[x + b"!" for x in row] for row in a], dtype=object).reshape(a.shape)
+                elif t == "BOOL":
+                    b = np.logical_not(a)
+                else:
+                    b = a[::-1] * 2
+                outputs.append(pb_utils.Tensor("OUT_" + t, b.T))  # transposed: not C-contiguous
+            assert isinstance(outputs[0], pb_utils.Tensor)
+            responses.append(pb_utils.InferenceResponse(outputs))
+        return responses
+"""
+
+
+def write_model(repo: Path, name: str, config: str, model_py: str) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(textwrap.dedent(config).lstrip())
+    (repo / name / "1" / "model.py").write_text(textwrap.dedent(model_py).lstrip())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    repo = tmp_path_factory.mktemp("model_repository")
+    write_model(repo, "echo", ECHO_CONFIG, ECHO_MODEL)
+    write_model(repo, "repeat", REPEAT_CONFIG, REPEAT_MODEL)
+    write_model(repo, "alltypes", ALLTYPES_CONFIG, ALLTYPES_MODEL)
+    srv = TritonServer(repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log")
+    t0 = time.monotonic()
+    srv.start(timeout=120)
+    srv.start_seconds = time.monotonic() - t0
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_ready_and_metadata(server: TritonServer) -> None:
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    assert server.is_running()
+    for port in (server.http_port, server.grpc_port, server.metrics_port):
+        assert port and 0 < port < 65536
+    assert len({server.http_port, server.grpc_port, server.metrics_port}) == 3
+
+    # Clients are closed (with-blocks): an open HTTP connection holds the server's shutdown for
+    # its whole --exit-timeout-secs.
+    with httpclient.InferenceServerClient(server.http_url) as http:
+        assert http.is_server_live() and http.is_server_ready()
+        assert http.is_model_ready("echo") and http.is_model_ready("repeat")
+        meta = http.get_model_metadata("echo")
+        assert meta["inputs"] == [{"name": "INPUT0", "datatype": "BYTES", "shape": [-1]}]
+        assert meta["outputs"] == [{"name": "OUTPUT0", "datatype": "BYTES", "shape": [-1]}]
+
+    with grpcclient.InferenceServerClient(server.grpc_url) as grpc:
+        assert grpc.is_server_ready()
+        gmeta = grpc.get_model_metadata("repeat", as_json=True)
+        assert [i["name"] for i in gmeta["inputs"]] == ["IN"]
+        assert sorted(o["name"] for o in gmeta["outputs"]) == ["IDX", "OUT"]
+        config = grpc.get_model_config("repeat", as_json=True)["config"]
+        assert config["model_transaction_policy"]["decoupled"] is True
+
+    # Every endpoint listens on loopback only.
+    listening = {
+        c.laddr.port: c.laddr.ip
+        for c in psutil.Process(server.pid).net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
+    for port in (server.http_port, server.grpc_port, server.metrics_port):
+        addr = ipaddress.ip_address(listening[port])  # gRPC listens on ::ffff:127.0.0.1
+        addr = getattr(addr, "ipv4_mapped", None) or addr
+        assert addr == ipaddress.ip_address("127.0.0.1"), listening
+
+    with urllib.request.urlopen(server.metrics_url, timeout=5) as resp:
+        assert b"nv_inference_request_success" in resp.read()
+
+
+def test_echo_http_and_grpc(server: TritonServer) -> None:
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    # Several elements of different lengths (odd total size, an empty one, non-ASCII): under NumPy 2
+    # the unpatched stub crashes on a TYPE_STRING input and returns 0 bytes for a TYPE_STRING output.
+    data = np.array(["hello", "wörld", "", "x" * 1000], dtype=object)
+
+    with httpclient.InferenceServerClient(server.http_url) as http:
+        inp = httpclient.InferInput("INPUT0", [len(data)], "BYTES")
+        inp.set_data_from_numpy(data)
+        out = http.infer("echo", [inp]).as_numpy("OUTPUT0")
+    assert [x.decode() for x in out] == list(data)
+
+    with grpcclient.InferenceServerClient(server.grpc_url) as grpc:
+        ginp = grpcclient.InferInput("INPUT0", [len(data)], "BYTES")
+        ginp.set_data_from_numpy(data)
+        gout = grpc.infer("echo", [ginp]).as_numpy("OUTPUT0")
+    assert [x.decode() for x in gout] == list(data)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_tensor_dtypes_round_trip(server: TritonServer, protocol: str) -> None:
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import triton_to_np_dtype
+
+    mod, url = (httpclient, server.http_url) if protocol == "http" else (grpcclient, server.grpc_url)
+    rng = np.random.default_rng(0)
+    shape = (3, 2)
+    inputs, expected = [], {}
+    for t in ALLTYPES:
+        if t == "STRING":
+            a = np.array([f"é{i}".encode() * i for i in range(6)], dtype=object).reshape(shape)
+            e = np.array([x + b"!" for x in a.ravel()], dtype=object).reshape(shape)
+        elif t == "BOOL":
+            a = rng.integers(0, 2, shape).astype(bool)
+            e = np.logical_not(a)
+        else:
+            a = rng.integers(1, 50, shape).astype(triton_to_np_dtype(t))
+            e = a[::-1] * 2
+        inp = mod.InferInput("IN_" + t, list(shape), "BYTES" if t == "STRING" else t)
+        inp.set_data_from_numpy(a)
+        inputs.append(inp)
+        expected[t] = e.T
+    with mod.InferenceServerClient(url) as client:
+        result = client.infer("alltypes", inputs)
+    for t in ALLTYPES:
+        got = result.as_numpy("OUT_" + t)
+        assert got.shape == expected[t].shape, t
+        assert (got == expected[t]).all(), (t, got, expected[t])
+
+
+def test_decoupled_streaming(server: TritonServer) -> None:
+    import tritonclient.grpc as grpcclient
+
+    values = np.array([7, 3, 11, 0, 5], dtype=np.int32)
+    results: queue.Queue = queue.Queue()
+
+    def callback(q: queue.Queue, result, error) -> None:
+        q.put(error if error is not None else result)
+
+    got, final = [], False
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(callback=partial(callback, results))
+        try:
+            inp = grpcclient.InferInput("IN", [len(values)], "INT32")
+            inp.set_data_from_numpy(values)
+            client.async_stream_infer("repeat", [inp], request_id="r1", enable_empty_final_response=True)
+            deadline = time.monotonic() + 30
+            while not final:
+                item = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                assert not isinstance(item, Exception), item
+                response = item.get_response()
+                assert response.id == "r1"
+                final = response.parameters["triton_final_response"].bool_param
+                if response.outputs:
+                    got.append((int(item.as_numpy("IDX")[0]), int(item.as_numpy("OUT")[0])))
+        finally:
+            client.stop_stream()
+    # All N responses, in order, then the (empty) final one.
+    assert got == list(enumerate(values.tolist()))
+    assert final
+
+
+def test_perf_analyzer_runs(server: TritonServer, tmp_path: Path) -> None:
+    exe = Path(sys.prefix) / "bin" / "perf_analyzer"
+    if not exe.exists():
+        pytest.skip(f"{exe} missing (made by scripts/setup_env.sh)")
+    data = tmp_path / "input.json"
+    data.write_text('{"data": [{"INPUT0": {"content": ["hello"], "shape": [1]}}]}')
+    cmd = [
+        str(exe), "-m", "echo", "-u", server.grpc_url, "-i", "grpc",
+        "--input-data", str(data),
+        "-p", "1000", "--max-trials", "3", "--stability-percentage", "50",
+        "--concurrency-range", "1",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    output = proc.stdout + proc.stderr
+    match = re.search(r"Throughput: ([0-9.]+) infer/sec", output)
+    assert match, output
+    assert float(match.group(1)) > 0, output
+
+
+def test_stop_leaves_nothing(tmp_path: Path) -> None:
+    """A server of its own (the shared one stays up for the other tests): stop() kills the whole
+    process group and removes the server's /dev/shm regions."""
+    repo = tmp_path / "repo"
+    write_model(repo, "echo", ECHO_CONFIG, ECHO_MODEL)
+    write_model(repo, "repeat", REPEAT_CONFIG, REPEAT_MODEL)
+    srv = TritonServer(repo, log_file=tmp_path / "tritonserver.log")
+    with srv:
+        pid = srv.pid
+        proc = psutil.Process(pid)
+        children = proc.children(recursive=True)
+        assert len(children) >= 2, f"expected one stub per model, got {children}"  # two Python models
+        assert srv.shm_files(), "the Python backend should have created shared-memory regions"
+        prefix = srv.shm_prefix
+    assert not srv.is_running()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    for child in children:
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, child
+    leftover = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == pid]
+    assert leftover == []
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+    assert srv.stop() == srv.process.returncode  # idempotent
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def test_start_failure_reports_log(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    write_model(repo, "broken", ECHO_CONFIG.replace('"echo"', '"broken"'), "raise RuntimeError('boom at import')\n")
+    srv = TritonServer(repo, log_file=tmp_path / "tritonserver.log")
+    with pytest.raises(TritonServerError, match="boom at import"):
+        srv.start(timeout=60)
+    assert not srv.is_running()
+    assert not srv.shm_files()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_cli_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
+    """`python -m mmserve.triton_server` in the foreground: prints the endpoints; SIGTERM or Ctrl-C
+    (SIGINT) stops it with no process and no /dev/shm region left behind."""
+    repo = tmp_path / "repo"
+    write_model(repo, "echo", ECHO_CONFIG, ECHO_MODEL)
+    from mmserve.triton_server import free_ports
+
+    http, grpc, metrics = free_ports(3)
+    cmd = [
+        sys.executable, "-m", "mmserve.triton_server", "--model-repository", str(repo),
+        "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+        "--start-timeout", "120",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("Ctrl-C"):
+                break
+        out = "".join(lines)
+        assert f"HTTP     127.0.0.1:{http}" in out and f"gRPC     127.0.0.1:{grpc}" in out, out
+        assert f"metrics  http://127.0.0.1:{metrics}/metrics" in out, out
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        assert descendants
+        proc.send_signal(sig)
+        rest, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + rest
+    assert "stopped" in rest
+    for p in descendants:
+        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, p
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mmserve_{proc.pid}_")]
