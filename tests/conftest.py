@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 # Engine settings every engine test shares: exact float32 numerics (parity with HF), eager mode
-# (no compile time on 2 cores), a fixed seed.
+# (no compile time on 2 cores), a fixed seed, prefix caching on.
 ENGINE_ARGS: dict[str, Any] = {
     "dtype": "float32",
     "max_model_len": 2048,
@@ -27,6 +27,7 @@ ENGINE_ARGS: dict[str, Any] = {
     "enforce_eager": True,
     "seed": 0,
     "limit_mm_per_prompt": {"image": 3, "audio": 2},
+    "enable_prefix_caching": True,
 }
 MAX_TOKENS = 12
 

@@ -156,6 +156,12 @@ def test_http_generate_agrees_with_grpc(server, references):
         assert http.generate(case.text, case.images, case.audios, **_sampling()).text == case.output
         assert http.generate(case.text, case.images, case.audios, stream=True, **_sampling()).text == case.output
 
+    import requests
+
+    bad = requests.post(f"http://{server.http}/v2/models/mm_ensemble/generate", timeout=60,
+                        json={"text_input": "x", "image": ["data:image/png;base64,AAAA"]})
+    assert bad.status_code == 400
+    assert "image[0]: cannot decode 3 bytes as an image" in bad.json()["error"]
 
 def test_input_echoed_unless_excluded(server, references):
     case = references["text_only#3"]
