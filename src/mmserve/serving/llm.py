@@ -120,6 +120,8 @@ def parse_sampling_parameters(text: str | None, *, stream: bool, logprobs: bool)
                 params[key] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
             except ValueError:
                 raise RequestError(f"sampling_parameters: {key}: expected {kind.__name__}, found {value!r}") from None
+    if params.get("n", 1) != 1:
+        raise RequestError(f"sampling_parameters: n: only 1 completion per request is served, found {params['n']}")
     if logprobs and params.get("logprobs") is None:
         params["logprobs"] = 1
     params["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY

@@ -1,0 +1,104 @@
+"""The Triton models' logic without a server: preprocessing, request parsing, sampling parameters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mmserve.samples import encode_audio, encode_image, sample_audio, sample_image
+
+
+@pytest.fixture(scope="module")
+def preprocessor(tiny_models):
+    from mmserve.serving.preprocess import Preprocessor
+
+    return Preprocessor(tiny_models["qwen2_5_omni"])
+
+
+def test_preprocess_matches_the_hf_processor_on_decoded_media(preprocessor, omni_reference):
+    import base64
+    import io
+
+    import soundfile
+
+    from mmserve.hf_reference import chat_prompt
+
+    image, audio = sample_image(3), sample_audio(3)
+    png = encode_image(image)
+    out = preprocessor("Describe.", [png], [encode_audio(audio)])
+    text = chat_prompt("qwen2_5_omni", omni_reference.processor, ["image", "audio", "text:Describe."])
+    wave = soundfile.read(io.BytesIO(encode_audio(audio)), dtype="float32")[0]
+    ref = omni_reference.processor_inputs(text, [image], [wave])
+    assert out["input_ids"].tolist() == ref["input_ids"][0].tolist()
+    for name in ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask"):
+        assert out[name].dtype == ref[name].numpy().dtype
+        np.testing.assert_array_equal(out[name], ref[name].numpy())
+    # The same image as a data URL (what JSON clients send) gives the same tensors.
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    np.testing.assert_array_equal(preprocessor("Describe.", [url])["pixel_values"], out["pixel_values"])
+
+
+def test_preprocess_empty_modalities_and_pcm(preprocessor):
+    out = preprocessor("Hi")
+    assert out["pixel_values"].shape[0] == 0 and out["input_features"].shape[0] == 0
+    assert out["image_grid_thw"].shape == (0, 3)
+    wave = sample_audio(1, seconds=1.0, sample_rate=8000)
+    resampled = preprocessor("Hi", pcm=[(wave, 8000)])
+    direct = preprocessor("Hi", pcm=[(sample_audio(1, seconds=1.0), 16000)])
+    assert resampled["feature_attention_mask"].sum() == direct["feature_attention_mask"].sum() == 100
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda p: p("x", [b"junk"]), r"image\[0\]: cannot decode 4 bytes as an image"),
+    (lambda p: p("x", [], [b"RIFF0000WAVE"]), r"audio\[0\]: cannot decode 12 bytes as audio"),
+    (lambda p: p("x", ["data:image/png,abc"]), r"image\[0\]: a data URL must be base64-encoded"),
+    (lambda p: p("x", pcm=[(np.zeros(0, np.float32), 16000)]), r"audio_pcm\[0\]: expected a non-empty mono clip"),
+    (lambda p: p("<|vision_bos|><|IMAGE|><|vision_eos|>x", apply_chat_template=False),
+     r"text_input: 1 <\|IMAGE\|> placeholder\(s\) in the prompt, but 0 image item\(s\) given"),
+])
+def test_preprocess_errors_name_the_input_and_item(preprocessor, call, message):
+    from mmserve.serving.preprocess import PreprocessError
+
+    with pytest.raises(PreprocessError, match=message):
+        call(preprocessor)
+
+
+def test_sampling_parameters():
+    from vllm.sampling_params import RequestOutputKind
+
+    from mmserve.serving.llm import RequestError, parse_sampling_parameters
+
+    params = parse_sampling_parameters('{"max_tokens": "7", "temperature": "0.5", "ignore_eos": "true"}',
+                                       stream=True, logprobs=False)
+    assert (params.max_tokens, params.temperature, params.ignore_eos) == (7, 0.5, True)
+    assert params.output_kind == RequestOutputKind.DELTA
+    assert parse_sampling_parameters(None, stream=False, logprobs=True).logprobs == 1
+    for text, message in [("{", "invalid JSON"), ("[1]", "expected a JSON object"),
+                          ('{"bogus": 1}', r"unknown parameter\(s\) \['bogus'\]"),
+                          ('{"max_tokens": "many"}', "max_tokens: expected int, found 'many'"),
+                          ('{"top_p": 2}', "top_p"), ('{"n": 2}', "only 1 completion")]:
+        with pytest.raises(RequestError, match=message):
+            parse_sampling_parameters(text, stream=False, logprobs=False)
+
+
+def test_parse_request_groups_tensors_by_modality():
+    from mmserve.families import get_family
+    from mmserve.serving.llm import RequestError, parse_request
+
+    tensors = {
+        "input_ids": np.arange(10, dtype=np.int64),
+        "pixel_values": np.zeros((0, 0), np.float32),
+        "image_grid_thw": np.zeros((0, 3), np.int64),
+        "input_features": np.ones((1, 128, 3000), np.float32),
+        "feature_attention_mask": np.ones((1, 3000), np.int32),
+        "stream": np.array([True]),
+        "text_input": np.array([b"hello"], dtype=object),
+    }
+    request = parse_request(get_family("qwen2_5_omni"), tensors.get)
+    assert request.stream and request.text_input == "hello"
+    assert request.prompt["prompt_token_ids"] == list(range(10))
+    assert set(request.prompt["multi_modal_data"]) == {"audio"}
+    with pytest.raises(RequestError, match="the qwen2_5_vl model takes no audio input"):
+        parse_request(get_family("qwen2_5_vl"), tensors.get)
+    with pytest.raises(RequestError, match="input_ids: expected a non-empty INT64 tensor"):
+        parse_request(get_family("qwen2_5_omni"), {}.get)
