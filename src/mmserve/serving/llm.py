@@ -9,9 +9,11 @@ engine and answers through a ``ResponseSink``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,25 +80,16 @@ class GenerateRequest:
 
 
 # -- reading a request ---------------------------------------------------------------------------
-_SAMPLING_FIELDS: dict[str, type] | None = None
-
-
+@functools.cache
 def _sampling_fields() -> dict[str, type]:
     """SamplingParams' scalar fields and their types (JSON strings are converted to them)."""
-    global _SAMPLING_FIELDS
-    if _SAMPLING_FIELDS is None:
-        import typing
-
-        hints = typing.get_type_hints(SamplingParams)
-        scalar: dict[str, type] = {}
-        for name, hint in hints.items():
-            args = set(typing.get_args(hint)) or {hint}
-            for kind in (bool, int, float):
-                if kind in args:
-                    scalar[name] = kind
-                    break
-        _SAMPLING_FIELDS = scalar
-    return _SAMPLING_FIELDS
+    scalar: dict[str, type] = {}
+    for name, hint in typing.get_type_hints(SamplingParams).items():
+        kinds = set(typing.get_args(hint)) or {hint}
+        scalar_kind = next((kind for kind in (bool, int, float) if kind in kinds), None)
+        if scalar_kind is not None:
+            scalar[name] = scalar_kind
+    return scalar
 
 
 def parse_sampling_parameters(text: str | None, *, stream: bool, logprobs: bool) -> SamplingParams:
@@ -109,8 +102,7 @@ def parse_sampling_parameters(text: str | None, *, stream: bool, logprobs: bool)
     if not isinstance(params, dict):
         raise RequestError(f"sampling_parameters: expected a JSON object, found {type(params).__name__}")
     scalar = _sampling_fields()
-    known = set(SamplingParams.__struct_fields__) if hasattr(SamplingParams, "__struct_fields__") else set(scalar)
-    unknown = sorted(set(params) - known)
+    unknown = sorted(set(params) - set(typing.get_type_hints(SamplingParams)))
     if unknown:
         raise RequestError(f"sampling_parameters: unknown parameter(s) {unknown}")
     for key, kind in scalar.items():
@@ -140,15 +132,16 @@ def parse_request(family: FamilySpec, get: Callable[[str], np.ndarray | None]) -
     if not np.issubdtype(ids.dtype, np.integer):
         raise RequestError(f"input_ids: expected integer token ids, found dtype {ids.dtype}")
 
-    served = {spec.modality for spec in family.modalities}
+    accepted = {name for spec in family.modalities for name in spec.field_names}
     features: dict[str, np.ndarray] = {}
     for spec in FEATURE_TENSORS:
         value = get(spec.name)
-        if value is not None and value.size > 0:
-            features[spec.name] = value
-    for modality, tensor in (("image", "pixel_values"), ("audio", "input_features")):
-        if tensor in features and modality not in served:
-            raise RequestError(f"{tensor}: the {family.name} model takes no {modality} input")
+        if value is None or value.size == 0:
+            continue
+        if spec.name not in accepted:
+            raise RequestError(f"{spec.name}: the {family.name} model takes no such input "
+                               f"(it takes {sorted(accepted)})")
+        features[spec.name] = value
 
     flags = {}
     for name in FLAG_INPUTS:
