@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.outputs import RequestOutput
+from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from mmserve.inputs import engine_kwargs
@@ -64,11 +65,20 @@ class EngineRunner:
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    def stream(
+    async def render(self, prompt: dict[str, Any]) -> Any:
+        """Prompt dict -> engine input: tokenization and multimodal processing (the pass-through
+        processor's validation included), off the loop in vLLM's renderer."""
+        parsed = parse_model_prompt(self.engine.model_config, prompt)
+        (engine_input,) = await self.engine.renderer.render_cmpl_async([parsed])
+        return engine_input
+
+    async def stream(
         self, prompt: dict[str, Any], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """The engine's output stream for one request (call on the loop)."""
-        return self.engine.generate(prompt, params, request_id or self.new_request_id())
+        engine_input = await self.render(prompt)
+        async for output in self.engine.generate(engine_input, params, request_id or self.new_request_id()):
+            yield output
 
     async def generate(
         self, prompt: dict[str, Any], params: SamplingParams, request_id: str | None = None

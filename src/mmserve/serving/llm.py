@@ -249,7 +249,7 @@ class LLMService:
         engine = self.runner.engine
         try:
             last: dict[str, np.ndarray] | None = None
-            async for output in engine.generate(request.prompt, request.sampling_params, request_id):
+            async for output in self.runner.stream(request.prompt, request.sampling_params, request_id):
                 if sink.is_cancelled():
                     await engine.abort(request_id)
                     sink.send_final()
