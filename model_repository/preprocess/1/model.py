@@ -10,7 +10,6 @@ The logic lives in mmserve.serving.preprocess; see docs/tensors.md.
 
 import json
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from mmserve.inputs import resolve_model
