@@ -26,8 +26,8 @@ class MaskedAudio(ModalitySpec):
     modality = "audio"
     placeholder_token = "<|AUDIO|>"
     fields = (
-        FieldSpec("audio_values", "float", "(clips, mel_bins, frames)", "log-mel features of each clip"),
-        FieldSpec("audio_attention_masks", "int", "(clips, positions)", "1 for each audio embedding"),
+        FieldSpec("audio_values", "float32", ("clips", "mel_bins", "frames"), "log-mel features of each clip"),
+        FieldSpec("audio_attention_masks", "int64", ("clips", "positions"), "1 for each audio embedding"),
     )
 
     def validate(self, data: Mapping[str, torch.Tensor], mm_config: Any) -> None:

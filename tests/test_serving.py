@@ -102,3 +102,47 @@ def test_parse_request_groups_tensors_by_modality():
         parse_request(get_family("qwen2_5_vl"), tensors.get)
     with pytest.raises(RequestError, match="input_ids: expected a non-empty INT64 tensor"):
         parse_request(get_family("qwen2_5_omni"), {}.get)
+
+
+def _model_config(name: str):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from conftest import ROOT
+
+    text = (ROOT / "model_repository" / name / "config.pbtxt").read_text()
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+def _signature(tensors) -> dict[str, tuple[str, list[int]]]:
+    from tritonclient.grpc import model_config_pb2
+
+    return {t.name: (model_config_pb2.DataType.Name(t.data_type), list(t.dims)) for t in tensors}
+
+
+def test_model_repository_configs_follow_the_tensor_contract():
+    """preprocess outputs, mm_llm inputs and the ensemble's wiring = mmserve.serving.contract."""
+    from tritonclient.utils import np_to_triton_dtype
+
+    from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
+
+    contract = {s.name: ("TYPE_" + np_to_triton_dtype(np.dtype(s.dtype)), list(s.triton_dims))
+                for s in (INPUT_IDS, *FEATURE_TENSORS)}
+    preprocess, llm, ensemble = (_model_config(n) for n in ("preprocess", "mm_llm", "mm_ensemble"))
+    assert _signature(preprocess.output) == contract
+    llm_inputs = _signature(llm.input)
+    assert {name: llm_inputs[name] for name in contract} == contract
+    assert [t.name for t in llm.input if not t.optional] == ["input_ids"]
+    assert llm.model_transaction_policy.decoupled
+
+    # The ensemble feeds every preprocess output to the same-named mm_llm input, and exposes
+    # mm_llm's outputs under their own names.
+    first, second = ensemble.ensemble_scheduling.step
+    assert (first.model_name, second.model_name) == ("preprocess", "mm_llm")
+    wired = {second.input_map[key]: key for key in second.input_map}
+    assert {first.output_map[name]: name for name in first.output_map} == {
+        internal: wired[internal] for internal in wired if internal in first.output_map.values()
+    }
+    assert set(first.output_map) == set(contract)
+    assert dict(second.output_map) == {t.name: t.name for t in llm.output}
+    assert _signature(ensemble.output) == _signature(llm.output)

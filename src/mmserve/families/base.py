@@ -11,28 +11,39 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from mmserve.errors import ProcessedInputError
-
-DTypeKind = Literal["float", "int"]
-
 
 @dataclass(frozen=True)
 class FieldSpec:
     """One tensor of a modality, as the HF processor outputs it for all items of a request."""
 
     name: str
-    kind: DTypeKind
-    shape: str
-    """Symbolic shape, e.g. ``"(sum of t*h*w over images, 3*2*14*14)"`` — for docs and errors."""
+    dtype: str
+    """The HF processor's output dtype (numpy name), also the Triton tensor's. Validation accepts any
+    dtype of the same kind (floating point or integer): offline callers may pass e.g. bfloat16."""
+    dims: tuple[str | int, ...]
+    """Symbolic dims (named when variable, an int when fixed), e.g. ``("images", 3)``."""
     meaning: str
 
     @property
     def ndim(self) -> int:
-        return self.shape.count(",") + 1 if self.shape.strip("()") else 0
+        return len(self.dims)
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat"))
+
+    @property
+    def shape(self) -> str:
+        return "(" + ", ".join(str(d) for d in self.dims) + ")"
+
+    @property
+    def triton_dims(self) -> tuple[int, ...]:
+        return tuple(d if isinstance(d, int) else -1 for d in self.dims)
 
 
 class ModalitySpec(ABC):
@@ -70,14 +81,14 @@ class ModalitySpec(ABC):
         tensors: dict[str, torch.Tensor] = {}
         for spec in self.fields:
             tensor = as_tensor(data[spec.name], self.modality, spec.name)
-            if spec.kind == "float" and not tensor.is_floating_point():
+            if spec.is_float and not tensor.is_floating_point():
                 raise ProcessedInputError(
                     self.modality,
                     field=spec.name,
                     expected="a floating-point tensor (the HF processor's normalized output)",
                     found=f"dtype {tensor.dtype}",
                 )
-            if spec.kind == "int" and (tensor.is_floating_point() or tensor.is_complex()):
+            if not spec.is_float and (tensor.is_floating_point() or tensor.is_complex()):
                 raise ProcessedInputError(
                     self.modality,
                     field=spec.name,

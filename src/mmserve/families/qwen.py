@@ -27,14 +27,15 @@ class QwenVisionImage(ModalitySpec):
         self.fields = (
             FieldSpec(
                 "pixel_values",
-                "float",
-                "(sum of t*h*w over the images, channels*temporal_patch_size*patch_size**2)",
-                "normalized image patches, flattened as the HF image processor outputs them",
+                "float32",
+                ("patches", "patch_dim"),
+                "normalized image patches of all images, flattened as the HF image processor outputs "
+                "them: sum of t*h*w rows, channels*temporal_patch_size*patch_size**2 columns",
             ),
             FieldSpec(
                 "image_grid_thw",
-                "int",
-                "(images, 3)",
+                "int64",
+                ("images", 3),
                 "patch grid (t, h, w) of each image, in the order the images appear in the prompt",
             ),
         )
@@ -119,14 +120,14 @@ class WhisperAudio(ModalitySpec):
         self.fields = (
             FieldSpec(
                 "input_features",
-                "float",
-                "(clips, num_mel_bins, frames)",
+                "float32",
+                ("clips", "mel_bins", "frames"),
                 "log-mel features of each clip, padded to a common number of frames",
             ),
             FieldSpec(
                 "feature_attention_mask",
-                "int",
-                "(clips, frames)",
+                "int32",
+                ("clips", "frames"),
                 "1 for the valid frames of each clip (a prefix), 0 for padding",
             ),
         )

@@ -1,45 +1,38 @@
 """The tensors that travel between ``preprocess`` and ``mm_llm`` (and from clients that preprocess on
 their side straight to ``mm_llm``): the HF processor's own names, native dtypes and shapes.
 
-``preprocess`` always outputs every feature tensor, empty (zero items) when the request has no media
-of that modality, so that one ensemble definition serves every family.
+The feature tensors are the union of the families' fields (``mmserve.families``), so the families
+stay the one place that knows them. ``preprocess`` always outputs every feature tensor, empty (zero
+items) when the request has no media of that modality, so that one ensemble serves every family.
+``tests/test_serving.py`` checks the model repository's config.pbtxt files against this module.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from mmserve.families import FAMILIES, FieldSpec
 
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: type
-    dims: tuple[int, ...]
-    """Triton dims (-1: variable); no batch dimension (``max_batch_size: 0``)."""
-    meaning: str
-
-
-INPUT_IDS = TensorSpec(
-    "input_ids", np.int64, (-1,),
+INPUT_IDS = FieldSpec(
+    "input_ids", "int64", ("tokens",),
     "prompt token ids, chat template applied, every media placeholder already expanded",
 )
 
-FEATURE_TENSORS: tuple[TensorSpec, ...] = (
-    TensorSpec("pixel_values", np.float32, (-1, -1),
-               "normalized image patches (sum of t*h*w over images, 3*2*14*14 for Qwen)"),
-    TensorSpec("image_grid_thw", np.int64, (-1, 3), "patch grid (t, h, w) of each image"),
-    TensorSpec("input_features", np.float32, (-1, -1, -1),
-               "log-mel features (clips, mel bins, frames)"),
-    TensorSpec("feature_attention_mask", np.int32, (-1, -1),
-               "valid mel frames of each clip (clips, frames)"),
-)
 
-FEATURES_BY_NAME = {spec.name: spec for spec in FEATURE_TENSORS}
+def _feature_tensors() -> tuple[FieldSpec, ...]:
+    fields: dict[str, FieldSpec] = {}
+    for family in FAMILIES.values():
+        for modality in family.modalities:
+            for spec in modality.fields:
+                known = fields.setdefault(spec.name, spec)
+                if (known.dtype, known.triton_dims) != (spec.dtype, spec.triton_dims):
+                    raise ValueError(f"{spec.name}: families disagree on its dtype or dims")
+    return tuple(fields.values())
 
 
-def empty_feature(spec: TensorSpec) -> np.ndarray:
-    """A zero-item tensor of ``spec``: leading dim 0, other variable dims 0."""
-    shape = tuple(0 if d == -1 else d for d in spec.dims)
-    return np.zeros(shape, dtype=spec.dtype)
+FEATURE_TENSORS: tuple[FieldSpec, ...] = _feature_tensors()
+
+
+def empty_feature(spec: FieldSpec) -> np.ndarray:
+    """A zero-item tensor of ``spec``: variable dims 0, fixed dims kept."""
+    return np.zeros(tuple(max(d, 0) for d in spec.triton_dims), dtype=spec.dtype)
