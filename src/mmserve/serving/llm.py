@@ -43,6 +43,10 @@ FLAG_INPUTS = (
 )
 
 
+CANCEL_POLL_S = 0.1
+"""How often each request in flight checks whether its client cancelled it."""
+
+
 class RequestError(ValueError):
     """A request ``mm_llm`` rejects before it reaches the engine (Triton INVALID_ARG)."""
 
@@ -246,14 +250,13 @@ class LLMService:
                 self._idle.set()
 
     async def _run(self, request: GenerateRequest, sink: ResponseSink, request_id: str) -> None:
-        engine = self.runner.engine
+        cancelled = asyncio.Event()
+        watchdog = asyncio.create_task(self._abort_when_cancelled(sink, request_id, cancelled))
         try:
             last: dict[str, np.ndarray] | None = None
             async for output in self.runner.stream(request.prompt, request.sampling_params, request_id):
-                if sink.is_cancelled():
-                    await engine.abort(request_id)
-                    sink.send_final()
-                    return
+                if cancelled.is_set():  # the client is gone: nothing more to say
+                    break
                 tensors = response_tensors(request, output)
                 if request.stream:
                     sink.send(tensors, final=output.finished)
@@ -261,7 +264,7 @@ class LLMService:
                         return
                 else:
                     last = tensors
-            if request.stream:  # the engine ended the stream without a finished output
+            if cancelled.is_set() or request.stream:  # cancelled, or the stream ended unfinished
                 sink.send_final()
             elif last is not None:
                 sink.send(last, final=True)
@@ -276,6 +279,16 @@ class LLMService:
             cause = exc.__cause__ or exc
             logger.exception("request %s failed", request_id)
             sink.send_error(f"{type(cause).__name__}: {cause}", client_error=False)
+        finally:
+            watchdog.cancel()
+
+    async def _abort_when_cancelled(self, sink: ResponseSink, request_id: str, cancelled: asyncio.Event) -> None:
+        """Poll the client's cancellation (Triton has no callback for it) and abort the engine
+        request then; works for non-streaming requests too, which produce no output to check on."""
+        while not sink.is_cancelled():
+            await asyncio.sleep(CANCEL_POLL_S)
+        cancelled.set()
+        await self.runner.engine.abort(request_id)
 
     def shutdown(self, timeout: float = 60.0) -> None:
         """Let in-flight requests finish (up to ``timeout``), then stop the engine."""
