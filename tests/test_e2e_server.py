@@ -269,34 +269,42 @@ def _send_to_mm_llm(server, tensors: dict[str, np.ndarray]) -> None:
         client.stop_stream()
 
 
-def test_cancelled_stream_aborts_the_engine_request(server, tiny_models):
+def test_cancelled_request_is_aborted_on_the_engine(server, tiny_models):
     """A long generation cancelled by the client is aborted on the engine, long before its end.
 
     Sent to mm_llm: Triton (2.51) propagates an ensemble's cancellation only between its steps, so
-    a cancelled mm_ensemble stream whose mm_llm step already runs is not cancelled (Triton core #263).
-    Non-streaming, so that no response is in flight when the client cancels (while a stream writes
-    responses, Triton 2.51 may deliver the cancellation to the model late).
+    a cancelled mm_ensemble request whose mm_llm step already runs is not cancelled (Triton core
+    #263). Triton 2.51 also delivers a gRPC stream's cancellation to the model only some of the time
+    (seen: about one try in four), hence up to three tries; tests/test_llm_service.py covers what
+    mm_llm does once the cancellation is delivered.
     """
     if server.metrics is None:
         pytest.skip("MMSERVE_TRITON_METRICS_URL not given")
-    import queue
-
-    import tritonclient.grpc as grpcclient
-
     from mmserve.serving.preprocess import Preprocessor
-
-    def generated() -> float:
-        return _metric(server, "vllm:generation_tokens_total")
 
     tensors = {
         "input_ids": Preprocessor(tiny_models["qwen2_5_omni"])("Count.")["input_ids"],
         "stream": np.array([False]),
         "sampling_parameters": np.array([json.dumps({"max_tokens": 3000, "ignore_eos": True}).encode()], dtype=object),
     }
-    answers: queue.Queue = queue.Queue()
+    counts = []
+    for _ in range(3):
+        counts.append(_generated_when_cancelled(server, tensors))
+        if counts[-1] < 3000:
+            break
+    assert counts[-1] < 3000, f"every try ran to its end ({counts} tokens): the request was not aborted"
+
+
+def _generated_when_cancelled(server, tensors: dict[str, np.ndarray]) -> float:
+    """Send ``tensors`` to mm_llm, cancel once generation runs; the tokens generated meanwhile."""
+    import tritonclient.grpc as grpcclient
+
+    def generated() -> float:
+        return _metric(server, "vllm:generation_tokens_total")
+
     before = generated()
     client = grpcclient.InferenceServerClient(server.grpc)
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    client.start_stream(callback=lambda result, error: None)
     client.async_stream_infer("mm_llm", _grpc_inputs(tensors))
     assert _wait_for(lambda: generated() > before + 10, 60), "generation did not start"
     client.stop_stream(cancel_requests=True)
@@ -310,7 +318,7 @@ def test_cancelled_stream_aborts_the_engine_request(server, tiny_models):
         return done
 
     assert _wait_for(settled, 120)
-    assert last[0] - before < 3000, f"the request ran to its end ({last[0] - before} tokens): it was not aborted"
+    return last[0] - before
 
 
 def _wait_for(condition, timeout: float) -> bool:

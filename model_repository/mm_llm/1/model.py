@@ -50,7 +50,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("mm_llm must be decoupled (model_transaction_policy)")
         config = LLMConfig.from_file(os.path.join(args["model_repository"], "model.json"))
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
-        self.service = LLMService(config, stat_loggers=[functools.partial(TritonStatLogger, metrics=self.metrics)])
+        self.service = LLMService.start(config, stat_loggers=[functools.partial(TritonStatLogger, metrics=self.metrics)])
         self.family = self.service.family
 
     def execute(self, requests):

@@ -88,13 +88,14 @@ class PassthroughProcessorMixin:
             return super()._maybe_apply_prompt_updates(mm_items, mm_res)  # type: ignore[misc]
 
         self._validate_mm_kwargs(mm_res.kwargs, mm_items.get_all_counts())  # type: ignore[attr-defined]
-        vocab = self.info.get_tokenizer().get_vocab()  # type: ignore[attr-defined]
+        tokenizer = self.info.get_tokenizer()  # type: ignore[attr-defined]
         prompt_ids = mm_res.prompt_ids
         placeholders: dict[str, list[PlaceholderFeaturesInfo]] = {}
         for modality, items in mm_items.items():
             spec = self.family.modality(modality)
             assert spec is not None and isinstance(items, ProcessedItems)
-            token_id = vocab[spec.placeholder_token]
+            # Not get_vocab(): that copies the whole vocabulary, on every request.
+            token_id = tokenizer.convert_tokens_to_ids(spec.placeholder_token)
             runs = locate_items(
                 prompt_ids,
                 modality=modality,

@@ -220,20 +220,22 @@ class LLMService:
     """The engine and the requests in flight on it.
 
     Args:
-        config: engine arguments from ``model.json``.
-        stat_loggers: vLLM stat logger factories (Triton metrics).
+        runner: the engine (``LLMService.start`` creates it from ``model.json``'s arguments).
     """
 
-    def __init__(self, config: LLMConfig, stat_loggers: list[Any] | None = None) -> None:
-        self.config = config
-        self.family = family_of_checkpoint(config.model)
-        self.runner = EngineRunner(config.model, stat_loggers=stat_loggers, **{
-            k: v for k, v in config.engine_args.items() if k != "model"
-        })
+    def __init__(self, runner: EngineRunner) -> None:
+        self.runner = runner
+        self.family = family_of_checkpoint(runner.engine_args["model"])
         self._in_flight: set[asyncio.Future[Any]] = set()
         self._lock = threading.Lock()
         self._idle = threading.Event()
         self._idle.set()
+
+    @classmethod
+    def start(cls, config: LLMConfig, stat_loggers: list[Any] | None = None) -> LLMService:
+        """Start an engine for ``config`` (``stat_loggers``: vLLM stat logger factories)."""
+        engine_args = {k: v for k, v in config.engine_args.items() if k != "model"}
+        return cls(EngineRunner(config.model, stat_loggers=stat_loggers, **engine_args))
 
     def submit(self, request: GenerateRequest, sink: ResponseSink, request_id: str) -> None:
         """Start ``request`` on the engine; responses go to ``sink`` (from the engine's thread)."""
