@@ -481,23 +481,19 @@ def build_processor(family: str, tokenizer):
         WhisperFeatureExtractor,
     )
 
+    vision = dict(
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+        patch_size=VISION["patch_size"],
+        temporal_patch_size=VISION["temporal_patch_size"],
+        merge_size=VISION["spatial_merge_size"],
+    )
+
     def image_processor():
-        return Qwen2VLImageProcessor(
-            min_pixels=MIN_PIXELS,
-            max_pixels=MAX_PIXELS,
-            patch_size=VISION["patch_size"],
-            temporal_patch_size=VISION["temporal_patch_size"],
-            merge_size=VISION["spatial_merge_size"],
-        )
+        return Qwen2VLImageProcessor(**vision)
 
     def video_processor():
-        return Qwen2VLVideoProcessor(
-            min_pixels=MIN_PIXELS,
-            max_pixels=MAX_PIXELS,
-            patch_size=VISION["patch_size"],
-            temporal_patch_size=VISION["temporal_patch_size"],
-            merge_size=VISION["spatial_merge_size"],
-        )
+        return Qwen2VLVideoProcessor(**vision)
 
     def feature_extractor():
         return WhisperFeatureExtractor(
