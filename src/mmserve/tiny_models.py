@@ -414,18 +414,22 @@ def build_config(family: str, tokenizer):
         config.architectures = ["Qwen2AudioForConditionalGeneration"]
     elif family == "qwen2_5_omni":
         user_ids = tokenizer.encode("user", add_special_tokens=False)
-        thinker = Qwen2_5OmniThinkerConfig(
-            audio_config=dict(AUDIO_ENCODER, output_dim=TEXT_HIDDEN, n_window=100),
-            vision_config=dict(VISION),
-            text_config=_text_config(vocab_size, ids, mrope=True),
+        # The media token ids the thinker and the talker configs both carry.
+        media_ids = dict(
             audio_token_index=ids["<|AUDIO|>"],
             image_token_index=ids["<|IMAGE|>"],
             video_token_index=ids["<|VIDEO|>"],
             audio_start_token_id=ids["<|audio_bos|>"],
             audio_end_token_id=ids["<|audio_eos|>"],
-            # Read by HF's get_rope_index (not a declared field of the thinker config).
             vision_start_token_id=ids["<|vision_bos|>"],
             vision_end_token_id=ids["<|vision_eos|>"],
+        )
+        thinker = Qwen2_5OmniThinkerConfig(
+            audio_config=dict(AUDIO_ENCODER, output_dim=TEXT_HIDDEN, n_window=100),
+            vision_config=dict(VISION),
+            text_config=_text_config(vocab_size, ids, mrope=True),
+            # vision_start_token_id is read by HF's get_rope_index (not a declared thinker field).
+            **media_ids,
             user_token_id=user_ids[0],
             position_id_per_seconds=25,
             seconds_per_chunk=2,
@@ -450,13 +454,7 @@ def build_config(family: str, tokenizer):
                 "rope_theta": ROPE_THETA,
                 "mrope_section": list(MROPE_SECTION),
             },
-            audio_token_index=ids["<|AUDIO|>"],
-            image_token_index=ids["<|IMAGE|>"],
-            video_token_index=ids["<|VIDEO|>"],
-            vision_start_token_id=ids["<|vision_bos|>"],
-            vision_end_token_id=ids["<|vision_eos|>"],
-            audio_start_token_id=ids["<|audio_bos|>"],
-            audio_end_token_id=ids["<|audio_eos|>"],
+            **media_ids,
             tts_text_start_token_id=ids[IM_START],
             tts_text_end_token_id=ids[IM_END],
             tts_text_pad_token_id=ids[ENDOFTEXT],
