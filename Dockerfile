@@ -92,6 +92,9 @@ HEALTHCHECK --interval=30s --timeout=10s --start-period=900s --retries=3 \
 # The NGC image's entrypoint (/opt/nvidia/nvidia_entrypoint.sh) stays; it execs this command. The
 # Python backend's shared-memory pool starts at 32 MiB per model instance (as in the test suite's
 # server) instead of 1 MiB, for image/audio feature tensors: run with --shm-size (docker/README.md).
+# Explicit model control with every model loaded: mm_llm reloads itself after an engine failure
+# (docs/RELIABILITY.md).
 CMD ["tritonserver", "--model-repository=/opt/mmserve/model_repository", \
+     "--model-control-mode=explicit", "--load-model=*", \
      "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", \
      "--backend-config=python,shm-default-byte-size=33554432"]

@@ -130,3 +130,42 @@ async def run_concurrently(engine, prompts: list[dict[str, Any]], *, stagger_s: 
         return list(output.outputs[0].token_ids)
 
     return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+# -- the live server (tests/live.py) ------------------------------------------------------------------
+def pytest_collection_modifyitems(config, items):
+    """Server tests run last, so that the session's one server (and its engine) never overlaps the
+    engines other modules start; among them, those that break the engine (``fault``) run at the end."""
+    items.sort(key=lambda item: (item.get_closest_marker("server") is not None,
+                                 item.get_closest_marker("fault") is not None))
+
+
+@pytest.fixture(scope="session")
+def references(tiny_models):
+    """Offline vLLM's greedy outputs of the e2e workload (before the server starts its engine)."""
+    import live
+    from mmserve.serving.llm import LLMConfig
+
+    engine_args = dict(LLMConfig.from_file(ROOT / "model_repository" / "mm_llm" / "model.json").engine_args)
+    engine_args.pop("model")
+    return live.compute_references(str(tiny_models["qwen2_5_omni"]), engine_args)
+
+
+@pytest.fixture(scope="session")
+def server(references, tiny_models):
+    """The model repository on a real tritonserver, or an external one: set ``MMSERVE_TRITON_GRPC_URL``
+    (and ``MMSERVE_TRITON_HTTP_URL``, ``MMSERVE_TRITON_METRICS_URL``), e.g. ``127.0.0.1:8001``."""
+    import live
+
+    grpc = os.environ.get("MMSERVE_TRITON_GRPC_URL")
+    if grpc:
+        metrics = os.environ.get("MMSERVE_TRITON_METRICS_URL")
+        yield live.Endpoints(grpc, os.environ.get("MMSERVE_TRITON_HTTP_URL"),
+                             f"http://{metrics}/metrics" if metrics else None)
+        return
+    from mmserve.triton_server import TritonServer
+
+    env = {"MMSERVE_MODEL": str(tiny_models["qwen2_5_omni"]),
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    with TritonServer(ROOT / "model_repository", env=env, shm_default_byte_size=32 * 1024 * 1024) as triton:
+        yield live.Endpoints(triton.grpc_url, triton.http_url, triton.metrics_url, server=triton)

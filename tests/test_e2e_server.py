@@ -1,8 +1,9 @@
-"""End to end through a real tritonserver: mm_ensemble (preprocess -> mm_llm), mm_llm directly,
-gRPC streaming and HTTP generate, errors, metrics, perf_analyzer.
+"""End to end through a real tritonserver: mm_pipeline and mm_ensemble (preprocess -> mm_llm),
+mm_llm directly, gRPC streaming and HTTP generate, errors, cancellation, metrics, perf_analyzer.
 
 Reference: the offline vLLM engine (same engine arguments as model_repository/mm_llm/model.json) on
-the same raw inputs, computed before the server starts (one engine at a time on 2 cores).
+the same raw inputs, computed before the server starts (one engine at a time on 2 cores). The
+server and the references are session fixtures (conftest.py), shared with test_e2e_reliability.py.
 
 Against an already running server or container (serving the tiny default model), set
 ``MMSERVE_TRITON_GRPC_URL`` (and ``MMSERVE_TRITON_HTTP_URL``, ``MMSERVE_TRITON_METRICS_URL``), e.g.
@@ -11,124 +12,28 @@ Against an already running server or container (serving the tiny default model),
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
 import threading
 import time
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import ROOT
+from live import CASES, ENTRIES, MAX_TOKENS, client as _client, generated_after_cancel, grpc_stream, metric
+from live import sampling as _sampling
 
 pytestmark = pytest.mark.server
 
-MAX_TOKENS = 12
-CASES: dict[str, list[str]] = {
-    "text_only": [],
-    "image": ["image"],
-    "audio": ["audio"],
-    "image_audio": ["image", "audio"],
-    "two_images": ["image", "image"],
-}
 
-
-@dataclass
-class Case:
-    name: str
-    text: str
-    images: list[bytes]
-    audios: list[bytes]
-    ids: list[int] | None = None  # offline vLLM's greedy output
-    output: str | None = None
-
-
-def _case(name: str, parts: list[str], seed: int) -> Case:
-    from mmserve.samples import encode_audio, encode_image, sample_audio, sample_image
-
-    images = [encode_image(sample_image(seed + i, size=(112 + 28 * (i % 2), 84))) for i, p in enumerate(parts) if p == "image"]
-    audios = [encode_audio(sample_audio(seed + i, seconds=1.0 + 0.5 * (i % 2))) for i, p in enumerate(parts) if p == "audio"]
-    return Case(name, ["Describe it.", "What is this?", "Say more."][seed % 3], images, audios)
-
-
-WORKLOAD = [_case(name, parts, seed) for seed in range(4) for name, parts in CASES.items()]  # 20 requests
-BY_NAME = {f"{c.name}#{i // len(CASES)}": c for i, c in enumerate(WORKLOAD)}
-
-
-def _sampling(max_tokens: int = MAX_TOKENS) -> dict:
-    return {"max_tokens": max_tokens, "temperature": 0.0}
-
-
-@pytest.fixture(scope="module")
-def references(tiny_models):
-    """Offline vLLM on the raw inputs: chat template applied by the HF processor, media decoded."""
-    import soundfile
-    from PIL import Image
-    from vllm import SamplingParams
-
-    from mmserve.engine import EngineRunner
-    from mmserve.hf_reference import chat_prompt, load_processor
-    from mmserve.serving.llm import LLMConfig
-
-    model = tiny_models["qwen2_5_omni"]
-    processor = load_processor(model)
-    engine_args = dict(LLMConfig.from_file(ROOT / "model_repository" / "mm_llm" / "model.json").engine_args)
-    engine_args.pop("model")
-    params = SamplingParams(**_sampling())
-    with EngineRunner(str(model), **engine_args) as engine:
-        for case in WORKLOAD:
-            parts = ["image"] * len(case.images) + ["audio"] * len(case.audios) + [f"text:{case.text}"]
-            mm = {}
-            if case.images:
-                mm["image"] = [Image.open(io.BytesIO(b)).convert("RGB") for b in case.images]
-            if case.audios:
-                mm["audio"] = [(soundfile.read(io.BytesIO(b), dtype="float32")[0], 16_000) for b in case.audios]
-            prompt = {"prompt": chat_prompt("qwen2_5_omni", processor, parts)}
-            if mm:
-                prompt["multi_modal_data"] = mm
-            completion = engine.generate_sync(prompt, params).outputs[0]
-            case.ids, case.output = list(completion.token_ids), completion.text
-    return BY_NAME
-
-
-@dataclass
-class Endpoints:
-    grpc: str  # host:port
-    http: str | None  # host:port
-    metrics: str | None  # full URL of /metrics
-
-
-@pytest.fixture(scope="module")
-def server(references, tiny_models):
-    grpc = os.environ.get("MMSERVE_TRITON_GRPC_URL")
-    if grpc:
-        metrics = os.environ.get("MMSERVE_TRITON_METRICS_URL")
-        yield Endpoints(grpc, os.environ.get("MMSERVE_TRITON_HTTP_URL"),
-                        f"http://{metrics}/metrics" if metrics else None)
-        return
-    from mmserve.triton_server import TritonServer
-
-    env = {"MMSERVE_MODEL": str(tiny_models["qwen2_5_omni"]),
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    with TritonServer(ROOT / "model_repository", env=env, shm_default_byte_size=32 * 1024 * 1024) as triton:
-        yield Endpoints(triton.grpc_url, triton.http_url, triton.metrics_url)
-
-
-def _client(server, **kwargs):
-    from mmserve.client import MMClient
-
-    return MMClient(server.grpc, **kwargs)
-
-
+@pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("case_name", [f"{name}#0" for name in CASES])
-def test_ensemble_matches_offline_vllm(server, references, case_name):
+def test_entries_match_offline_vllm(server, references, case_name, entry):
     case = references[case_name]
-    result = _client(server).generate(case.text, case.images, case.audios, **_sampling())
+    result = _client(server, entry=entry).generate(case.text, case.images, case.audios, **_sampling())
     assert result.output_ids == case.ids
     assert result.text == case.output
     assert result.finish_reason == "length"
@@ -176,9 +81,10 @@ def test_direct_mm_llm_agrees_with_ensemble(server, references, tiny_models):
         assert direct.generate(case.text, case.images, case.audios, **_sampling()).output_ids == case.ids
 
 
-def test_concurrent_streaming_requests(server, references):
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_concurrent_streaming_requests(server, references, entry):
     """All 20 requests of the workload streaming at once (mixed modalities, staggered arrivals)."""
-    client = _client(server)
+    client = _client(server, entry=entry)
     results: dict[str, str] = {}
     errors: list[BaseException] = []
 
@@ -236,106 +142,51 @@ def test_bad_requests_get_precise_errors_and_the_server_keeps_serving(server, re
     assert client.generate(case.text, case.images, case.audios, **_sampling()).output_ids == case.ids
 
 
-def _grpc_inputs(tensors: dict[str, np.ndarray]) -> list:
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
-
-    inputs = []
-    for name, array in tensors.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
-
-
 def _send_to_mm_llm(server, tensors: dict[str, np.ndarray]) -> None:
-    import queue
-
-    import tritonclient.grpc as grpcclient
-
-    from mmserve.client import ClientError
-
     sampling = np.array([json.dumps(_sampling()).encode()], dtype=object)
-    answers: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc)
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
-    try:
-        client.async_stream_infer("mm_llm", _grpc_inputs({**tensors, "sampling_parameters": sampling}),
-                                  enable_empty_final_response=True)
-        result, error = answers.get(timeout=120)
-        if error is not None:
-            raise ClientError(str(error))
-    finally:
-        client.stop_stream()
+    grpc_stream(server, "mm_llm", {**tensors, "sampling_parameters": sampling})
 
 
-def test_cancelled_request_is_aborted_on_the_engine(server, tiny_models):
-    """A long generation cancelled by the client is aborted on the engine, long before its end.
+def _long_generation(stream: bool) -> dict[str, np.ndarray]:
+    return {
+        "text_input": np.array([b"Count."], dtype=object),
+        "stream": np.array([stream]),
+        "sampling_parameters": np.array([json.dumps({"max_tokens": 3000, "ignore_eos": True}).encode()], dtype=object),
+    }
 
-    Sent to mm_llm: Triton (2.51) propagates an ensemble's cancellation only between its steps, so
-    a cancelled mm_ensemble request whose mm_llm step already runs is not cancelled (Triton core
-    #263). Triton 2.51 also delivers a gRPC stream's cancellation to the model only some of the time
-    (seen: about one try in four), hence up to three tries; tests/test_llm_service.py covers what
-    mm_llm does once the cancellation is delivered.
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "no-stream"])
+def test_cancel_through_the_pipeline_stops_the_engine(server, stream):
+    """Finding 7: a client's cancel reaches the engine through mm_pipeline (mm_ensemble can't carry
+    it: Triton's ensemble scheduler checks cancellation only between steps), long before the end.
+
+    Triton 2.51 delivers a gRPC stream's cancellation to the model it was sent to only most of the
+    time, hence up to three tries; tests/test_llm_service.py covers what mm_llm does once told.
     """
+    if server.metrics is None:
+        pytest.skip("MMSERVE_TRITON_METRICS_URL not given")
+    counts = []
+    for _ in range(3):
+        counts.append(generated_after_cancel(server, "mm_pipeline", _long_generation(stream)))
+        if counts[-1] < 3000:
+            break
+    assert counts[-1] < 1000, f"every try ran to its end ({counts} tokens): the request was not aborted"
+
+
+def test_cancel_reaches_mm_llm_called_directly(server, tiny_models):
     if server.metrics is None:
         pytest.skip("MMSERVE_TRITON_METRICS_URL not given")
     from mmserve.serving.preprocess import Preprocessor
 
-    tensors = {
-        "input_ids": Preprocessor(tiny_models["qwen2_5_omni"])("Count.")["input_ids"],
-        "stream": np.array([False]),
-        "sampling_parameters": np.array([json.dumps({"max_tokens": 3000, "ignore_eos": True}).encode()], dtype=object),
-    }
+    tensors = _long_generation(False)
+    tensors["input_ids"] = Preprocessor(tiny_models["qwen2_5_omni"])("Count.")["input_ids"]
+    del tensors["text_input"]
     counts = []
     for _ in range(3):
-        counts.append(_generated_when_cancelled(server, tensors))
+        counts.append(generated_after_cancel(server, "mm_llm", tensors))
         if counts[-1] < 3000:
             break
     assert counts[-1] < 3000, f"every try ran to its end ({counts} tokens): the request was not aborted"
-
-
-def _generated_when_cancelled(server, tensors: dict[str, np.ndarray]) -> float:
-    """Send ``tensors`` to mm_llm, cancel once generation runs; the tokens generated meanwhile."""
-    import tritonclient.grpc as grpcclient
-
-    def generated() -> float:
-        return _metric(server, "vllm:generation_tokens_total")
-
-    before = generated()
-    client = grpcclient.InferenceServerClient(server.grpc)
-    client.start_stream(callback=lambda result, error: None)
-    client.async_stream_infer("mm_llm", _grpc_inputs(tensors))
-    assert _wait_for(lambda: generated() > before + 10, 60), "generation did not start"
-    client.stop_stream(cancel_requests=True)
-    # The engine is idle once the token counter stops moving (a running request adds one per step).
-    last = [generated()]
-
-    def settled() -> bool:
-        time.sleep(2)
-        now = generated()
-        done, last[0] = now == last[0], now
-        return done
-
-    assert _wait_for(settled, 120)
-    return last[0] - before
-
-
-def _wait_for(condition, timeout: float) -> bool:
-    deadline = time.time() + timeout
-    while not condition():
-        if time.time() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
-
-
-def _metric(server, name: str) -> float:
-    text = urllib.request.urlopen(server.metrics, timeout=10).read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name) and 'model="mm_llm"' in line]
-    assert values, f"{name} not in /metrics"
-    return sum(values)
 
 
 def test_health_metadata_and_metrics(server, references):
@@ -343,17 +194,17 @@ def test_health_metadata_and_metrics(server, references):
 
     client = grpcclient.InferenceServerClient(server.grpc)
     assert client.is_server_live() and client.is_server_ready()
-    for model in ("preprocess", "mm_llm", "mm_ensemble"):
+    for model in ("preprocess", "mm_llm", "mm_ensemble", "mm_pipeline"):
         assert client.is_model_ready(model)
     inputs = {i.name: i.datatype for i in client.get_model_metadata("mm_ensemble").inputs}
     assert inputs["text_input"] == "BYTES" and inputs["image"] == "BYTES" and inputs["stream"] == "BOOL"
     if server.metrics is None:
         return
     _client(server).generate("Hello.", **_sampling())
-    assert _metric(server, "vllm:prompt_tokens_total") > 0
-    assert _metric(server, "vllm:generation_tokens_total") >= MAX_TOKENS
-    assert _metric(server, "vllm:time_to_first_token_seconds_count") >= 1
-    assert _metric(server, "vllm:e2e_request_latency_seconds_count") >= 1
+    assert metric(server, "vllm:prompt_tokens_total") > 0
+    assert metric(server, "vllm:generation_tokens_total") >= MAX_TOKENS
+    assert metric(server, "vllm:time_to_first_token_seconds_count") >= 1
+    assert metric(server, "vllm:e2e_request_latency_seconds_count") >= 1
 
 
 def test_perf_analyzer_against_the_ensemble(server, tmp_path):

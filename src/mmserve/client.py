@@ -3,15 +3,20 @@
 Library use::
 
     from mmserve.client import MMClient
-    client = MMClient("127.0.0.1:8001")                       # gRPC
+    client = MMClient("127.0.0.1:8001")                       # gRPC, to mm_pipeline
     result = client.generate("Describe.", images=["cat.png"], max_tokens=32)
     for delta in client.stream("Describe.", images=["cat.png"]):
         print(delta, end="", flush=True)
 
     http = MMClient("127.0.0.1:8000", protocol="http")        # /v2/models/<model>/generate[_stream]
 
-``direct=True`` preprocesses on the client's side (the model's own HF processor, ``model`` = the
-checkpoint directory) and calls ``mm_llm`` with the processed tensors; the result is the same.
+``entry`` picks the served model: ``mm_pipeline`` (default: a cancelled request stops on the engine)
+or ``mm_ensemble`` (the same tensors through Triton's ensemble scheduler). ``direct=True``
+preprocesses on the client's side (the model's own HF processor, ``model`` = the checkpoint
+directory) and calls ``mm_llm`` with the processed tensors; the result is the same.
+
+Errors raise ``ClientError``, whose ``code`` is the server's class of error: ``INVALID_ARG`` (fix the
+request), ``UNAVAILABLE`` (retry later), ``CANCELLED``, ``INTERNAL`` (``None``: not said).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+PIPELINE = "mm_pipeline"
 ENSEMBLE = "mm_ensemble"
 LLM = "mm_llm"
 Media = str | Path | bytes
@@ -45,7 +51,28 @@ class Result:
 
 
 class ClientError(RuntimeError):
-    """The server answered with an error (its message is kept as is)."""
+    """The server answered with an error (its message is kept as is).
+
+    ``code``: ``INVALID_ARG``, ``UNAVAILABLE``, ``CANCELLED`` or ``INTERNAL`` as the server tagged the
+    message (``[CODE] ...``; Triton 2.51 carries no status code for decoupled models), ``UNAVAILABLE``
+    for Triton's own "model not available" answers, else ``None``.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = error_code(message)
+
+
+_TRITON_UNAVAILABLE = ("has no available versions", "is not ready", "Server is stopping")
+
+
+def error_code(message: str) -> str | None:
+    """The class of a server error message (see ``ClientError``)."""
+    if message.startswith("[") and "]" in message:
+        return message[1:message.index("]")]
+    if any(marker in message for marker in _TRITON_UNAVAILABLE):
+        return "UNAVAILABLE"
+    return None
 
 
 def _read(media: Media) -> bytes:
@@ -60,21 +87,23 @@ def _data_url(media: Media) -> str:
 
 
 class MMClient:
-    """Client of the ``mm_ensemble`` (or, with ``direct``, ``mm_llm``) model.
+    """Client of the ``mm_pipeline`` or ``mm_ensemble`` (or, with ``direct``, ``mm_llm``) model.
 
     Args:
         url: ``host:port`` of Triton's gRPC or HTTP endpoint.
         protocol: ``"grpc"`` or ``"http"``.
+        entry: the model that takes raw requests: ``mm_pipeline`` or ``mm_ensemble``.
         direct: preprocess locally and call ``mm_llm`` (gRPC only); needs ``model``.
         model: local checkpoint directory for ``direct``.
     """
 
-    def __init__(self, url: str, protocol: str = "grpc", *, direct: bool = False, model: str | Path | None = None):
+    def __init__(self, url: str, protocol: str = "grpc", *, entry: str = PIPELINE, direct: bool = False,
+                 model: str | Path | None = None):
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol must be 'grpc' or 'http', not {protocol!r}")
         if direct and protocol != "grpc":
             raise ValueError("direct mode sends tensors: use protocol='grpc'")
-        self.url, self.protocol, self.direct = url, protocol, direct
+        self.url, self.protocol, self.direct, self.entry = url, protocol, direct, entry
         self._preprocessor = None
         if direct:
             if model is None:
@@ -158,7 +187,7 @@ class MMClient:
         client = grpcclient.InferenceServerClient(self.url)
         try:
             client.start_stream(callback=lambda result, error: responses.put((result, error)))
-            client.async_stream_infer(LLM if self.direct else ENSEMBLE, inputs,
+            client.async_stream_infer(LLM if self.direct else self.entry, inputs,
                                       request_id=uuid.uuid4().hex, enable_empty_final_response=True)
             while True:
                 result, error = responses.get()
@@ -185,7 +214,7 @@ class MMClient:
         if audios:
             body["audio"] = [_data_url(m) for m in audios]
         endpoint = "generate_stream" if flags["stream"] else "generate"
-        url = f"http://{self.url}/v2/models/{ENSEMBLE}/{endpoint}"
+        url = f"http://{self.url}/v2/models/{self.entry}/{endpoint}"
         with requests.post(url, json=body, stream=flags["stream"], timeout=600) as reply:
             if reply.status_code != 200:
                 raise ClientError(_http_error(reply))

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
+import logging
+import os
+import signal
 import threading
 from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 from vllm import SamplingParams
@@ -23,6 +28,10 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from mmserve.inputs import engine_kwargs
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 2.0
+"""How long the engine's processes get to exit on shutdown before they are killed."""
 
 
 class EngineRunner:
@@ -39,6 +48,8 @@ class EngineRunner:
         self.engine_args = engine_kwargs(model, **overrides)
         self._stat_loggers = stat_loggers
         self._ids = itertools.count()
+        self._core_pids_at_close: list[int] = []
+        self._shm_files: set[Path] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mmserve-engine", daemon=True)
         self._thread.start()
@@ -47,6 +58,7 @@ class EngineRunner:
         except BaseException:
             self._stop_loop()
             raise
+        self._shm_files = self._mapped_shm()
 
     async def _create(self) -> AsyncLLM:
         args = AsyncEngineArgs(**self.engine_args)
@@ -57,6 +69,43 @@ class EngineRunner:
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding table: every prompt token id must be below it."""
+        return self.engine.model_config.get_vocab_size()
+
+    def core_pids(self) -> list[int]:
+        """Process ids of the engine's core process(es) (empty once they are gone)."""
+        engine = self.engine
+        manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)
+        return [p.pid for p in getattr(manager, "processes", []) if p.pid is not None and p.is_alive()]
+
+    def _mapped_shm(self) -> set[Path]:
+        """/dev/shm files the engine's processes (core and workers) have mapped."""
+        import psutil
+
+        pids = set(self.core_pids())
+        for pid in list(pids):
+            with contextlib.suppress(psutil.Error):
+                pids.update(child.pid for child in psutil.Process(pid).children(recursive=True))
+        found: set[Path] = set()
+        for pid in pids:
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+                found.update(Path(line.split()[-1]) for line in maps if " /dev/shm/" in line)
+        return found
+
+    def kill(self) -> None:
+        """Stop a failed engine at once: SIGKILL its core process(es) (a wedged or stopped process
+        ignores polite requests), then shut the rest down."""
+        for pid in self.core_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - the engine is being discarded; log and move on
+            logger.exception("shutting down the failed engine")
+            self._remove_shm()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run ``coro`` on the engine's loop; returns a thread-safe future."""
@@ -96,16 +145,34 @@ class EngineRunner:
         """Blocking ``generate`` from any thread other than the loop's."""
         return self.submit(self.generate(prompt, params)).result(timeout)
 
-    def shutdown(self) -> None:
-        """Stop the engine (its core process included) and the loop thread."""
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """Stop the engine (its core process included) and the loop thread; idempotent. Core
+        processes still alive after ``timeout`` seconds are killed."""
         if getattr(self, "engine", None) is not None and self._loop.is_running():
-            self.submit(self._close()).result(timeout=120)
+            try:
+                self.submit(self._close()).result(timeout=timeout)
+            except concurrent.futures.TimeoutError:
+                logger.error("the engine did not stop within %.0f s; killing its core process", timeout)
+        for pid in self._core_pids_at_close:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self._stop_loop()
+        self._remove_shm()
+
+    def _remove_shm(self) -> None:
+        # Processes that were killed (by us, by vLLM after SHUTDOWN_GRACE_S, or by a fault) leave
+        # their shared memory behind: vLLM's message queues, 160 MB each.
+        for path in self._shm_files:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
     async def _close(self) -> None:
         # On the loop, so the engine's output handler is cancelled before its core goes away.
+        self._core_pids_at_close = self.core_pids()
         engine, self.engine = self.engine, None  # type: ignore[assignment]
-        engine.shutdown()
+        # vLLM waits this long for its processes before it kills them (its default, 5 s, is most of
+        # a 15-s stop budget); what they leave in /dev/shm is removed by shutdown().
+        engine.shutdown(timeout=SHUTDOWN_GRACE_S)
         current = asyncio.current_task()
         pending = [task for task in asyncio.all_tasks() if task is not current]
         for task in pending:

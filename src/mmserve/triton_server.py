@@ -446,6 +446,21 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
+def shm_files_mapped(pids: Iterable[int]) -> set[Path]:
+    """The /dev/shm files that processes ``pids`` have mapped (Linux /proc/<pid>/maps)."""
+    found: set[Path] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    path = line.rstrip("\n").split(maxsplit=5)[-1]
+                    if path.startswith(f"{SHM_DIR}/"):
+                        found.add(Path(path.removesuffix(" (deleted)")))
+        except OSError:
+            continue
+    return found
+
+
 _LIVE_SERVERS: set[TritonServer] = set()
 _LIVE_LOCK = threading.Lock()
 _SERVER_COUNTER = itertools.count()
@@ -472,8 +487,9 @@ class TritonServer:
         log_file: where the server's stdout/stderr go (default: a temporary file, kept after stop).
         backend_config: extra ``--backend-config`` settings, ``{"python": {"key": "value"}}`` or
             ``["python,key=value", ...]``.
-        model_control_mode: ``none`` (default), ``explicit`` or ``poll``.
-        load_models: names for ``--load-model`` (explicit mode).
+        model_control_mode: ``explicit`` (default: the models load at start, ``load_models``, and may
+            reload themselves, as ``mm_llm`` does after an engine failure), ``none`` or ``poll``.
+        load_models: names for ``--load-model`` in explicit mode (default ``*``: all).
         extra_args: further command-line arguments, appended last.
         env: environment overrides for the server (applied after the computed variables; a value of
             ``None`` removes a variable).
@@ -501,8 +517,8 @@ class TritonServer:
         log_verbose: int = 0,
         log_file: str | os.PathLike[str] | None = None,
         backend_config: Mapping[str, Mapping[str, object]] | Iterable[str] | None = None,
-        model_control_mode: str | None = None,
-        load_models: Iterable[str] = (),
+        model_control_mode: str | None = "explicit",
+        load_models: Iterable[str] = ("*",),
         extra_args: Iterable[str] = (),
         env: Mapping[str, str | None] | None = None,
         shm_default_byte_size: int | None = None,
@@ -596,7 +612,8 @@ class TritonServer:
         cmd += [f"--backend-config={c}" for c in self.backend_config]
         if self.model_control_mode:
             cmd.append(f"--model-control-mode={self.model_control_mode}")
-        cmd += [f"--load-model={m}" for m in self.load_models]
+        if self.model_control_mode == "explicit":
+            cmd += [f"--load-model={m}" for m in self.load_models]
         cmd += self.extra_args
         return cmd
 
@@ -722,6 +739,9 @@ class TritonServer:
             code = None
             if timeout is None:
                 timeout = self.exit_timeout_s + 15.0
+            # Shared memory of the server's processes (vLLM's engine and workers among them): what a
+            # process that is killed, or crashes, can't remove itself is removed below.
+            mapped = shm_files_mapped(_group_members(pgid)) if pgid is not None else set()
             if proc is not None:
                 if proc.poll() is None:
                     with contextlib.suppress(ProcessLookupError):
@@ -732,7 +752,11 @@ class TritonServer:
                         pass
                 code = proc.poll()
             if pgid is not None:
+                mapped |= shm_files_mapped(_group_members(pgid))
                 self._kill_group(pgid, grace=2.0 if code is not None else 0.0)
+                for path in mapped:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
                 if proc is not None:
                     code = proc.wait()
             if self._log_handle is not None:
@@ -819,8 +843,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-file", default=None, help="server log (default: a temporary file)")
     parser.add_argument("--shm-default-byte-size", type=int, default=None)
     parser.add_argument("--backend-config", action="append", default=[], help="BACKEND,KEY=VALUE; may be repeated")
-    parser.add_argument("--model-control-mode", default=None, choices=["none", "explicit", "poll"])
-    parser.add_argument("--load-model", action="append", default=[])
+    parser.add_argument("--model-control-mode", default="explicit", choices=["none", "explicit", "poll"],
+                        help="explicit (default) lets mm_llm reload itself after an engine failure")
+    parser.add_argument("--load-model", action="append", default=None, help="explicit mode; default: all")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for readiness")
     parser.add_argument("--hint", default="", help="printed once ready; {http} and {grpc} are replaced by the URLs")
     args = parser.parse_args(argv)
@@ -834,7 +859,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_file=args.log_file,
         backend_config=args.backend_config,
         model_control_mode=args.model_control_mode,
-        load_models=args.load_model,
+        load_models=args.load_model or ("*",),
         shm_default_byte_size=args.shm_default_byte_size,
     )
 

@@ -4,22 +4,33 @@ Inputs : input_ids (INT64 [tokens], placeholders expanded); optional pixel_value
          input_features, feature_attention_mask (the HF processor's outputs, empty when absent),
          text_input (echoed unless exclude_input_in_output), stream, sampling_parameters (JSON),
          exclude_input_in_output and the return_* flags of Triton's vLLM backend.
+         cancel (BYTES [1]): a control request: cancel the request in flight whose Triton request
+         id this is (mm_pipeline sends it when its client cancels); answered with an empty final
+         response, its other inputs ignored.
 Outputs: text_output, output_ids, and when asked finish_reason, cumulative_logprob, logprobs,
          num_input_tokens, num_output_tokens. One response per delta when streaming.
-Engine arguments come from model.json beside config.pbtxt. The logic lives in mmserve.serving.llm;
-see docs/tensors.md.
+Errors : [INVALID_ARG] bad input, [UNAVAILABLE] engine failed or restarting, [INTERNAL] our fault
+         (see mmserve.serving.triton).
+Health : a dead or wedged engine fails every request UNAVAILABLE, then the model asks Triton to
+         reload it (and the models named by the `reload_with` parameter): readiness is false until
+         the new engine serves. Needs --model-control-mode=explicit (scripts/serve.sh uses it).
+Engine arguments come from model.json beside config.pbtxt; health settings from config.pbtxt
+parameters. The logic lives in mmserve.serving.llm; see docs/tensors.md, docs/RELIABILITY.md.
 """
 
 import functools
 import json
+import logging
 import os
 
 import triton_python_backend_utils as pb_utils
 
-from mmserve.serving.llm import LLMConfig, LLMService, RequestError, parse_request
+from mmserve.serving.llm import HealthConfig, LLMConfig, LLMService, parse_request
 from mmserve.serving.metrics import TritonMetrics, TritonStatLogger
+from mmserve.serving.triton import parameters, read_input, triton_error
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+logger = logging.getLogger("mm_llm")
 
 
 class _Sink:
@@ -32,9 +43,8 @@ class _Sink:
         tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
         self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=_FINAL if final else 0)
 
-    def send_error(self, message, *, client_error):
-        code = pb_utils.TritonError.INVALID_ARG if client_error else pb_utils.TritonError.INTERNAL
-        self._sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=_FINAL)
+    def send_error(self, error):
+        self._sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error)), flags=_FINAL)
 
     def send_final(self):
         self._sender.send(flags=_FINAL)
@@ -48,29 +58,56 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("mm_llm must be decoupled (model_transaction_policy)")
+        params = parameters(model_config)
+        health = HealthConfig(
+            check_interval_s=float(params.get("engine_check_interval_s", HealthConfig.check_interval_s)),
+            stall_timeout_s=float(params.get("engine_stall_timeout_s", HealthConfig.stall_timeout_s)),
+        )
+        self.model_name = args["model_name"]
+        self.reload_with = [name.strip() for name in params.get("reload_with", "").split(",") if name.strip()]
         config = LLMConfig.from_file(os.path.join(args["model_repository"], "model.json"))
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
-        self.service = LLMService.start(config, stat_loggers=[functools.partial(TritonStatLogger, metrics=self.metrics)])
+        stat_logger = functools.partial(TritonStatLogger, metrics=self.metrics, on_record=self._progress)
+        self.service = LLMService.start(config, stat_loggers=[stat_logger], health=health, on_failure=self._reload)
         self.family = self.service.family
+
+    def _progress(self):
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.note_progress()
+
+    def _reload(self, reason):
+        """Heal: Triton unloads this model (readiness false), then loads it again with a new engine."""
+        try:
+            pb_utils.unload_model(self.model_name)
+            pb_utils.load_model(self.model_name)
+            for name in self.reload_with:
+                pb_utils.load_model(name)
+            logger.warning("reloaded %s after an engine failure (%s)", self.model_name, reason)
+        except Exception as exc:  # noqa: BLE001 - e.g. --model-control-mode none: no self-healing
+            logger.error("could not reload %s (%s): it answers UNAVAILABLE until tritonserver restarts; "
+                         "self-healing needs --model-control-mode=explicit", self.model_name, exc)
 
     def execute(self, requests):
         for request in requests:
             sink = _Sink(request)
+            get = functools.partial(read_input, pb_utils, request)
             try:
-                parsed = parse_request(self.family, functools.partial(_input, request))
-            except RequestError as exc:
-                sink.send_error(str(exc), client_error=True)
+                cancel = get("cancel")
+                if cancel is not None and cancel.size:
+                    self.service.cancel(cancel.reshape(-1)[0].decode("utf-8", "replace"))
+                    sink.send_final()
+                    continue
+                parsed = parse_request(self.family, get, vocab_size=self.service.vocab_size)
+            except Exception as exc:  # noqa: BLE001 - every failure is answered (triton_error scrubs it)
+                sink.send_error(exc)
                 continue
             # Triton request ids need not be unique; the engine's must be.
-            request_id = self.service.runner.new_request_id(request.request_id() or "triton")
-            self.service.submit(parsed, sink, request_id)
+            client_id = request.request_id()
+            request_id = self.service.runner.new_request_id(client_id or "triton")
+            self.service.submit(parsed, sink, request_id, client_id=client_id or None)
         return None
 
     def finalize(self):
-        self.service.shutdown()  # in-flight requests finish; then no stats arrive any more
+        self.service.shutdown()  # requests still in flight are answered; then no stats arrive
         self.metrics.close()
-
-
-def _input(request, name):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy()

@@ -1,10 +1,23 @@
 """preprocess: one raw request -> the model's HF processor output (Triton adapter).
 
-Inputs : text_input (BYTES [1]); optional image (BYTES [n], encoded files or data URLs),
+Inputs : text_input (BYTES [1], UTF-8); optional image (BYTES [n], encoded files or data URLs),
          audio (BYTES [n], encoded files or data URLs), audio_pcm (FP32 [samples], one mono clip)
          with audio_sample_rate (INT32 [1]), apply_chat_template (BOOL [1], default true).
 Outputs: input_ids (INT64 [tokens], placeholders expanded), pixel_values, image_grid_thw,
          input_features, feature_attention_mask (empty when the request has no such media).
+
+Parameters (config.pbtxt, all strings): ``model`` (the checkpoint; ``MMSERVE_MODEL`` overrides it);
+the request limits ``max_request_bytes`` (64 MiB), ``max_images`` (4), ``max_image_pixels``
+(16777216), ``max_audio_clips`` (2), ``max_audio_seconds`` (empty or ``window``: the model's audio
+window, 30 s for Whisper-style encoders), ``max_total_audio_seconds`` (60), ``max_prompt_tokens``
+(32768); ``user_control_tokens`` (``escape``, the default, or ``reject``: special tokens typed in
+the user's text). An absent or empty value keeps the default; a bad one fails the model's loading.
+
+Errors: every exception is answered, through ``mmserve.errors.public_error`` (by
+``mmserve.serving.triton.error_response``, which also tags the message with its code): a rejected
+request (``mmserve.errors.InputError``, e.g. ``image[1]: 100000000 pixels (10000x10000) exceeds the
+limit of 16777216 (max_image_pixels)``) as INVALID_ARG with its message; anything else as INTERNAL
+with an incident id only (the traceback goes to the server log, never to the client).
 The logic lives in mmserve.serving.preprocess; see docs/tensors.md.
 """
 
@@ -13,37 +26,44 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from mmserve.inputs import resolve_model
-from mmserve.serving.preprocess import PreprocessError, Preprocessor
+from mmserve.serving.preprocess import PreprocessError, PreprocessLimits, Preprocessor
+from mmserve.serving.triton import error_response, parameters, read_input
 
 
 def _input(request, name):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy()
+    return read_input(pb_utils, request, name)
+
+
+def _items(array):
+    return [] if array is None else list(array.reshape(-1))
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        configured = config.get("parameters", {}).get("model", {}).get("string_value")
-        self.preprocessor = Preprocessor(resolve_model(configured, args["model_repository"]))
+        config = parameters(json.loads(args["model_config"]))
+        self.preprocessor = Preprocessor(
+            resolve_model(config.get("model") or None, args["model_repository"]),
+            limits=PreprocessLimits.from_parameters(config),
+            user_control_tokens=config.get("user_control_tokens") or "escape",
+        )
 
     def execute(self, requests):
         responses = []
         for request in requests:
             try:
                 outputs = self._preprocess(request)
-            except PreprocessError as exc:
-                error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-                responses.append(pb_utils.InferenceResponse(error=error))
-                continue
-            tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
-            responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+                tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
+                responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+            except Exception as exc:  # noqa: BLE001 - every request gets an answer
+                responses.append(error_response(pb_utils, exc, context="preprocess"))
         return responses
 
     def _preprocess(self, request):
         text = _input(request, "text_input")
-        if text is None or text.size != 1:
-            raise PreprocessError("text_input: expected exactly one prompt string")
+        if text is None:
+            raise PreprocessError("text_input: required (BYTES [1], the prompt)")
+        if text.size != 1:
+            raise PreprocessError(f"text_input: expected exactly one prompt string, found {text.size}")
         pcm = _input(request, "audio_pcm")
         clips = []
         if pcm is not None and pcm.size:
@@ -53,13 +73,9 @@ class TritonPythonModel:
             clips.append((pcm.reshape(-1), int(rate.reshape(-1)[0])))
         template = _input(request, "apply_chat_template")
         return self.preprocessor(
-            text.reshape(-1)[0].decode("utf-8"),
+            text.reshape(-1)[0],  # bytes: the preprocessor decodes UTF-8 and names a bad byte
             images=_items(_input(request, "image")),
             audios=_items(_input(request, "audio")),
             pcm=clips,
             apply_chat_template=True if template is None or template.size == 0 else bool(template.reshape(-1)[0]),
         )
-
-
-def _items(array):
-    return [] if array is None else list(array.reshape(-1))

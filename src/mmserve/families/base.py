@@ -95,6 +95,16 @@ class ModalitySpec(ABC):
                     expected="an integer tensor",
                     found=f"dtype {tensor.dtype}",
                 )
+            if spec.is_float and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+                # Non-finite features poison vLLM's CPU KV cache for later, unrelated requests
+                # (docs/RELIABILITY.md): nothing non-finite may reach the engine.
+                bad = int((~torch.isfinite(tensor)).sum())
+                raise ProcessedInputError(
+                    self.modality,
+                    field=spec.name,
+                    expected="finite values",
+                    found=f"{bad} NaN/Inf value(s)",
+                )
             if tensor.ndim != spec.ndim:
                 raise ProcessedInputError(
                     self.modality,

@@ -9,11 +9,10 @@ engine and answers through a ``ResponseSink``).
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import threading
-import typing
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,12 +22,13 @@ import numpy as np
 from vllm import SamplingParams
 from vllm.exceptions import VLLMClientError
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import RequestOutputKind
 
 from mmserve.engine import EngineRunner
+from mmserve.errors import InputError, ServiceError, UnavailableError, public_error
 from mmserve.families import FamilySpec
 from mmserve.inputs import family_of_checkpoint, processed_prompt, resolve_model
 from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
+from mmserve.serving.sampling import parse_sampling_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,22 @@ CANCEL_POLL_S = 0.1
 """How often each request in flight checks whether its client cancelled it."""
 
 
-class RequestError(ValueError):
+class RequestError(InputError):
     """A request ``mm_llm`` rejects before it reaches the engine (Triton INVALID_ARG)."""
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """How ``LLMService`` watches its engine (``mm_llm``'s config.pbtxt ``parameters``).
+
+    Args:
+        check_interval_s: how often the watcher looks at the engine.
+        stall_timeout_s: an engine with requests in flight that produces no output and finishes no
+            step for this long is wedged. Size it above the longest prefill step of the model.
+    """
+
+    check_interval_s: float = 0.5
+    stall_timeout_s: float = 20.0
 
 
 @dataclass(frozen=True)
@@ -84,57 +98,26 @@ class GenerateRequest:
 
 
 # -- reading a request ---------------------------------------------------------------------------
-@functools.cache
-def _sampling_fields() -> dict[str, type]:
-    """SamplingParams' scalar fields and their types (JSON strings are converted to them)."""
-    scalar: dict[str, type] = {}
-    for name, hint in typing.get_type_hints(SamplingParams).items():
-        kinds = set(typing.get_args(hint)) or {hint}
-        scalar_kind = next((kind for kind in (bool, int, float) if kind in kinds), None)
-        if scalar_kind is not None:
-            scalar[name] = scalar_kind
-    return scalar
+def parse_request(
+    family: FamilySpec, get: Callable[[str], np.ndarray | None], *, vocab_size: int | None = None
+) -> GenerateRequest:
+    """Read one request through ``get(name) -> array | None`` (None: optional input not sent).
 
-
-def parse_sampling_parameters(text: str | None, *, stream: bool, logprobs: bool) -> SamplingParams:
-    """``sampling_parameters`` JSON -> ``SamplingParams`` (strings of numbers/bools accepted, as
-    genai-perf and the vLLM backend's clients send them)."""
-    try:
-        params = json.loads(text) if text else {}
-    except json.JSONDecodeError as exc:
-        raise RequestError(f"sampling_parameters: invalid JSON ({exc})") from None
-    if not isinstance(params, dict):
-        raise RequestError(f"sampling_parameters: expected a JSON object, found {type(params).__name__}")
-    scalar = _sampling_fields()
-    unknown = sorted(set(params) - set(typing.get_type_hints(SamplingParams)))
-    if unknown:
-        raise RequestError(f"sampling_parameters: unknown parameter(s) {unknown}")
-    for key, kind in scalar.items():
-        value = params.get(key)
-        if isinstance(value, str):
-            try:
-                params[key] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
-            except ValueError:
-                raise RequestError(f"sampling_parameters: {key}: expected {kind.__name__}, found {value!r}") from None
-    if params.get("n", 1) != 1:
-        raise RequestError(f"sampling_parameters: n: only 1 completion per request is served, found {params['n']}")
-    if logprobs and params.get("logprobs") is None:
-        params["logprobs"] = 1
-    params["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-    try:
-        return SamplingParams(**params)
-    except (TypeError, ValueError, VLLMClientError) as exc:
-        raise RequestError(f"sampling_parameters: {exc}") from None
-
-
-def parse_request(family: FamilySpec, get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
-    """Read one request through ``get(name) -> array | None`` (None: optional input not sent)."""
+    ``vocab_size`` bounds the prompt's token ids (an id past the embedding table would fail inside
+    the model, in the engine process).
+    """
     ids = get(INPUT_IDS.name)
     if ids is None or ids.size == 0:
         raise RequestError("input_ids: expected a non-empty INT64 tensor of prompt token ids")
     ids = ids.reshape(-1)
     if not np.issubdtype(ids.dtype, np.integer):
         raise RequestError(f"input_ids: expected integer token ids, found dtype {ids.dtype}")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
+        bad = low if low < 0 else high
+        where = int(np.flatnonzero(ids == bad)[0])
+        raise RequestError(f"input_ids: expected token ids in [0, {vocab_size or 'vocab size'}), "
+                           f"found {bad} at position {where}")
 
     accepted = {name for spec in family.modalities for name in spec.field_names}
     features: dict[str, np.ndarray] = {}
@@ -151,24 +134,28 @@ def parse_request(family: FamilySpec, get: Callable[[str], np.ndarray | None]) -
     for name in FLAG_INPUTS:
         value = get(name)
         flags[name] = bool(value.reshape(-1)[0]) if value is not None and value.size else False
-    sampling = get("sampling_parameters")
-    sampling_text = _first_string(sampling)
-    text = _first_string(get("text_input"))
     return GenerateRequest(
         prompt=processed_prompt(family, ids, features),
         sampling_params=parse_sampling_parameters(
-            sampling_text, stream=flags["stream"], logprobs=flags["return_logprobs"]
+            first_string(get("sampling_parameters"), "sampling_parameters"),
+            stream=flags["stream"], logprobs=flags["return_logprobs"],
         ),
         flags=flags,
-        text_input=text,
+        text_input=first_string(get("text_input"), "text_input"),
     )
 
 
-def _first_string(value: np.ndarray | None) -> str | None:
+def first_string(value: np.ndarray | None, name: str) -> str | None:
+    """The first element of a BYTES tensor as text; ``InputError`` if it is not UTF-8."""
     if value is None or value.size == 0:
         return None
     item = value.reshape(-1)[0]
-    return item.decode("utf-8", errors="replace") if isinstance(item, bytes) else str(item)
+    if not isinstance(item, bytes):
+        return str(item)
+    try:
+        return item.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"{name}: not valid UTF-8 (byte 0x{item[exc.start]:02x} at offset {exc.start})") from None
 
 
 # -- answering -----------------------------------------------------------------------------------
@@ -177,8 +164,8 @@ class ResponseSink(Protocol):
 
     def send(self, outputs: Mapping[str, np.ndarray], *, final: bool) -> None: ...
 
-    def send_error(self, message: str, *, client_error: bool) -> None:
-        """Send a final error response."""
+    def send_error(self, error: ServiceError) -> None:
+        """Send a final error response (``error`` is fit for the client: see ``public_error``)."""
 
     def send_final(self) -> None:
         """Close the stream with an empty final response."""
@@ -216,47 +203,119 @@ def response_tensors(request: GenerateRequest, output: RequestOutput) -> dict[st
     return tensors
 
 
+@dataclass
+class _InFlight:
+    """One request on the engine: its future on the loop and its cancellation flag."""
+
+    future: Any
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
 class LLMService:
-    """The engine and the requests in flight on it.
+    """The engine, the requests in flight on it, and a watcher of the engine's health.
+
+    A dead engine (its core process gone) or a wedged one (requests in flight, no progress for
+    ``health.stall_timeout_s``) fails the service: every request in flight and every later one is
+    answered ``UnavailableError``, the engine is killed, and ``on_failure(reason)`` is called once
+    (``mm_llm`` asks Triton to reload the model there: a new engine, readiness false meanwhile).
 
     Args:
         runner: the engine (``LLMService.start`` creates it from ``model.json``'s arguments).
+        health: the watcher's settings.
+        on_failure: called once, from the watcher's thread, after the service failed.
     """
 
-    def __init__(self, runner: EngineRunner) -> None:
+    def __init__(self, runner: EngineRunner, *, health: HealthConfig | None = None,
+                 on_failure: Callable[[str], None] | None = None) -> None:
         self.runner = runner
         self.family = family_of_checkpoint(runner.engine_args["model"])
-        self._in_flight: set[asyncio.Future[Any]] = set()
+        self.vocab_size: int | None = runner.vocab_size
+        self.health = health or HealthConfig()
+        self._on_failure = on_failure
+        self._in_flight: dict[str, _InFlight] = {}
+        self._by_client_id: dict[str, str] = {}
         self._lock = threading.Lock()
         self._idle = threading.Event()
         self._idle.set()
+        self._failure: str | None = None
+        self._stopping = False
+        self._last_progress = time.monotonic()
+        self._watcher = threading.Thread(target=self._watch, name="mmserve-engine-watch", daemon=True)
+        self._watcher.start()
 
     @classmethod
-    def start(cls, config: LLMConfig, stat_loggers: list[Any] | None = None) -> LLMService:
-        """Start an engine for ``config`` (``stat_loggers``: vLLM stat logger factories)."""
+    def start(cls, config: LLMConfig, stat_loggers: list[Any] | None = None, **kwargs: Any) -> LLMService:
+        """Start an engine for ``config`` (``stat_loggers``: vLLM stat logger factories; ``kwargs``
+        go to ``LLMService``)."""
         engine_args = {k: v for k, v in config.engine_args.items() if k != "model"}
-        return cls(EngineRunner(config.model, stat_loggers=stat_loggers, **engine_args))
+        return cls(EngineRunner(config.model, stat_loggers=stat_loggers, **engine_args), **kwargs)
 
-    def submit(self, request: GenerateRequest, sink: ResponseSink, request_id: str) -> None:
-        """Start ``request`` on the engine; responses go to ``sink`` (from the engine's thread)."""
-        future = self.runner.submit(self._run(request, sink, request_id))
-        with self._lock:
-            self._in_flight.add(future)
-            self._idle.clear()
-        future.add_done_callback(self._done)
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def failure(self) -> str | None:
+        """Why the service failed (None while it serves)."""
+        return self._failure
 
-    def _done(self, future: Any) -> None:
+    def note_progress(self) -> None:
+        """The engine did work (an output arrived, a step's statistics came in)."""
+        self._last_progress = time.monotonic()
+
+    def _unavailable(self) -> UnavailableError | None:
+        if self._failure is not None:
+            return UnavailableError(f"the engine failed ({self._failure}); the model is being restarted, "
+                                    "retry shortly")
+        if self._stopping:
+            return UnavailableError("the model is shutting down")
+        return None
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, request: GenerateRequest, sink: ResponseSink, request_id: str, *,
+               client_id: str | None = None) -> None:
+        """Start ``request`` on the engine; responses go to ``sink`` (from the engine's thread).
+
+        ``client_id`` (the caller's own request id) lets ``cancel`` find the request later.
+        """
         with self._lock:
-            self._in_flight.discard(future)
+            refused = self._unavailable()
+            if refused is None:
+                if not self._in_flight:
+                    self._last_progress = time.monotonic()  # the stall clock starts with the work
+                entry = _InFlight(future=None)
+                self._in_flight[request_id] = entry
+                if client_id:
+                    self._by_client_id[client_id] = request_id
+                self._idle.clear()
+        if refused is not None:
+            sink.send_error(refused)
+            return
+        entry.future = self.runner.submit(self._run(request, sink, request_id, entry.cancelled))
+        entry.future.add_done_callback(lambda _: self._done(request_id, client_id))
+
+    def cancel(self, client_id: str) -> bool:
+        """Cancel the request submitted with ``client_id``; False if none is in flight."""
+        with self._lock:
+            entry = self._in_flight.get(self._by_client_id.get(client_id, ""))
+        if entry is None:
+            return False
+        entry.cancelled.set()
+        return True
+
+    def _done(self, request_id: str, client_id: str | None) -> None:
+        with self._lock:
+            self._in_flight.pop(request_id, None)
+            if client_id and self._by_client_id.get(client_id) == request_id:
+                del self._by_client_id[client_id]
             if not self._in_flight:
                 self._idle.set()
 
-    async def _run(self, request: GenerateRequest, sink: ResponseSink, request_id: str) -> None:
+    async def _run(self, request: GenerateRequest, sink: ResponseSink, request_id: str,
+                   cancel_flag: threading.Event) -> None:
         cancelled = asyncio.Event()
-        watchdog = asyncio.create_task(self._abort_when_cancelled(sink, request_id, cancelled))
+        watchdog = asyncio.create_task(self._abort_when_cancelled(sink, request_id, cancel_flag, cancelled))
         try:
             last: dict[str, np.ndarray] | None = None
             async for output in self.runner.stream(request.prompt, request.sampling_params, request_id):
+                self._last_progress = time.monotonic()
                 if cancelled.is_set():  # the client is gone: nothing more to say
                     break
                 tensors = response_tensors(request, output)
@@ -271,29 +330,72 @@ class LLMService:
             elif last is not None:
                 sink.send(last, final=True)
             else:
-                sink.send_error("the engine returned no output", client_error=False)
-        except (ValueError, VLLMClientError) as exc:  # bad request, found by vLLM's input processing
-            sink.send_error(str(exc), client_error=True)
-        except asyncio.CancelledError:
-            sink.send_error("request cancelled: the model is shutting down", client_error=False)
+                sink.send_error(public_error(RuntimeError("the engine returned no output"), context=request_id))
+        except asyncio.CancelledError:  # the service failed or stops: this request can't finish
+            sink.send_error(self._unavailable() or UnavailableError("the request was stopped"))
             raise
+        except (ValueError, VLLMClientError) as exc:  # bad request, found by vLLM's input processing
+            if self.runner.engine is None or self.runner.engine.errored:
+                sink.send_error(self._unavailable() or UnavailableError("the engine is not running"))
+            else:
+                sink.send_error(public_error(exc if isinstance(exc, ServiceError) else InputError(str(exc))))
         except Exception as exc:  # noqa: BLE001 - the engine's own failure, answered, not raised
-            cause = exc.__cause__ or exc
-            logger.exception("request %s failed", request_id)
-            sink.send_error(f"{type(cause).__name__}: {cause}", client_error=False)
+            if self.runner.engine is None or self.runner.engine.errored:
+                logger.warning("request %s: the engine failed (%s)", request_id, type(exc).__name__)
+                sink.send_error(UnavailableError("the engine failed; the model is being restarted, retry shortly"))
+            else:
+                sink.send_error(public_error(exc, context=request_id))
         finally:
             watchdog.cancel()
 
-    async def _abort_when_cancelled(self, sink: ResponseSink, request_id: str, cancelled: asyncio.Event) -> None:
+    async def _abort_when_cancelled(self, sink: ResponseSink, request_id: str, flag: threading.Event,
+                                    cancelled: asyncio.Event) -> None:
         """Poll the client's cancellation (Triton has no callback for it) and abort the engine
         request then; works for non-streaming requests too, which produce no output to check on."""
-        while not sink.is_cancelled():
+        while not (flag.is_set() or sink.is_cancelled()):
             await asyncio.sleep(CANCEL_POLL_S)
         cancelled.set()
         await self.runner.engine.abort(request_id)
 
-    def shutdown(self, timeout: float = 60.0) -> None:
-        """Let in-flight requests finish (up to ``timeout``), then stop the engine."""
+    # -- health --------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stopping and self._failure is None:
+            time.sleep(self.health.check_interval_s)
+            engine = self.runner.engine
+            if self._stopping or engine is None:
+                return
+            if engine.errored:
+                self.fail("its core process exited")
+                return
+            stalled = time.monotonic() - self._last_progress
+            if self._in_flight and stalled > self.health.stall_timeout_s:
+                self.fail(f"no progress for {stalled:.0f} s with {len(self._in_flight)} request(s) in flight")
+                return
+
+    def fail(self, reason: str) -> None:
+        """Fail the service: answer every request UNAVAILABLE, kill the engine, call on_failure."""
+        with self._lock:
+            if self._failure is not None or self._stopping:
+                return
+            self._failure = reason
+            in_flight = list(self._in_flight.values())
+        logger.error("engine failed: %s; failing %d request(s) in flight", reason, len(in_flight))
+        for entry in in_flight:
+            if entry.future is not None:
+                entry.future.cancel()  # _run answers UNAVAILABLE
+        self._idle.wait(10)
+        self.runner.kill()
+        if self._on_failure is not None:
+            self._on_failure(reason)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop: requests still in flight are answered UNAVAILABLE, then the engine stops."""
+        with self._lock:
+            self._stopping = True
+            in_flight = list(self._in_flight.values())
+        for entry in in_flight:
+            if entry.future is not None:
+                entry.future.cancel()
         if not self._idle.wait(timeout):
             logger.warning("shutting down with %d request(s) in flight", len(self._in_flight))
         self.runner.shutdown()

@@ -3,6 +3,7 @@ Triton's vLLM backend uses, labelled by model and version."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from vllm.config import VllmConfig
@@ -61,10 +62,14 @@ class TritonStatLogger(StatLoggerBase):
     """A vLLM V1 stat logger that feeds ``TritonMetrics`` (pass it as a factory with
     ``functools.partial(TritonStatLogger, metrics=...)``)."""
 
-    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0, *, metrics: TritonMetrics) -> None:
+    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0, *, metrics: TritonMetrics,
+                 on_record: Callable[[], None] | None = None) -> None:
         self.metrics = metrics
+        self.on_record = on_record
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:  # noqa: ANN001
+        if self.on_record is not None:  # an engine step finished: progress for the health watcher
+            self.on_record()
         m = self.metrics
         if scheduler_stats is not None:
             m.running.set(scheduler_stats.num_running_reqs)

@@ -1,37 +1,259 @@
 """Raw request -> the model's own HF processor output: what the ``preprocess`` Triton model runs.
 
-Media arrive encoded (PNG/JPEG/WebP images; WAV/FLAC/OGG/MP3 audio, as file bytes) or as float32
-PCM with its sample rate. Over JSON transports (Triton's HTTP generate endpoint) bytes can't travel,
-so an element may also be a ``data:<mime>;base64,<...>`` URL. Errors name the input and the item.
+Contract
+--------
+``Preprocessor(model)(text, images, audios, pcm, apply_chat_template=True)`` returns ``input_ids``
+(chat template applied, every media placeholder expanded) and every feature tensor of
+``mmserve.serving.contract``, as numpy arrays; a modality without media gives a zero-item tensor.
+
+* ``text``: the prompt, ``str`` or UTF-8 ``bytes`` (what Triton's BYTES tensors hold). With
+  ``apply_chat_template`` (the default) it is the user's message: one user turn holds the images,
+  then the audio clips, then the text. Without it, it is the whole raw prompt, placeholders included.
+* ``images``: encoded files (PNG, JPEG, WebP, GIF, BMP, TIFF; no other decoder is ever tried).
+* ``audios``: encoded files (WAV, FLAC, OGG, MP3), mixed down to mono, resampled to the feature
+  extractor's rate.
+* ``pcm``: ``(samples, sample_rate)`` pairs of mono float PCM; they follow ``audios`` in the prompt.
+
+Over JSON transports (Triton's HTTP generate endpoint) bytes can't travel, so a media element may
+also be a ``data:<mime>;base64,<...>`` URL.
+
+Limits (``PreprocessLimits``; each is a ``parameters`` entry of the same name in config.pbtxt)
+-------------------------------------------------------------------------------------------
+===========================  ==================  ==========================================================
+parameter                    default             what it bounds
+===========================  ==================  ==========================================================
+``max_request_bytes``        67108864 (64 MiB)   text + every media element as received (encoded files,
+                                                 data URLs, float32 PCM); checked before any decoding
+``max_images``               4                   images per request (mm_llm's ``limit_mm_per_prompt``)
+``max_image_pixels``         16777216 (16 MP)    width*height of one image, read from its header before
+                                                 any pixel is decoded, whatever PIL's global
+                                                 ``MAX_IMAGE_PIXELS`` (which can only refuse earlier)
+``max_audio_clips``          2                   ``audio`` and ``audio_pcm`` clips together per request
+``max_audio_seconds``        the model's window  one clip. Default (``None``; ``"window"`` or empty in
+                                                 config.pbtxt): ``n_samples / sampling_rate`` of the
+                                                 feature extractor, 30 s for Whisper-style encoders. A
+                                                 longer clip is rejected, never silently cut; a value
+                                                 above the window is refused when the model loads
+``max_total_audio_seconds``  60                  all clips of a request together
+``max_prompt_tokens``        32768               ``input_ids`` after expansion (template, text, media
+                                                 placeholders): bounds one request's work and tensors. The
+                                                 engine still checks its own ``max_model_len`` (4096 in
+                                                 mm_llm's model.json) and answers with its own message
+===========================  ==================  ==========================================================
+
+Sample rates must lie in 1..768000 Hz (``MAX_SAMPLE_RATE``): a decoded clip is read no further than
+its duration limit, so a highly compressed "audio bomb" can't expand past it either.
+
+Errors
+------
+Every rejection is a ``PreprocessError`` (an ``mmserve.errors.InputError``: Triton ``INVALID_ARG``,
+HTTP 400) whose message names the input and the item, then what is wrong, then the limit if one
+applies: ``<input>[<item>]: <what is wrong> (<limit name>)``, e.g.
+``image[1]: 100000000 pixels (10000x10000) exceeds the limit of 16777216 (max_image_pixels)``.
+Items the processor itself rejects (an extreme aspect ratio, a clip too short to give one audio
+embedding) are named too: when the processor fails, or an item yields no placeholder, each item is
+processed again on its own to find it (on that error path only; success costs nothing more).
+Non-finite values (NaN/Inf) are refused in the decoded audio and in every float feature tensor:
+they would poison the engine's KV cache for later, unrelated requests.
+
+Control tokens in user text
+---------------------------
+With the chat template applied, the tokenizer's special tokens typed by the user (``<|im_start|>``,
+``<|im_end|>``, ``<|IMAGE|>``, ``<|AUDIO|>``, ...) must never act as template markers or placeholders.
+``user_control_tokens="escape"`` (the default) tokenizes them as plain text; ``"reject"`` refuses the
+request. Escaping runs only when the text contains one of those strings: the template is rendered
+with a one-token sentinel in place of the text, the processor runs on that, and the sentinel's id
+(with the plain text around it up to the nearest special token, so that token boundaries are the
+natural ones) is replaced by the user's text tokenized with ``split_special_tokens=True``. The
+processor therefore never sees the user's text on that path. With ``apply_chat_template=False`` the
+caller writes the whole prompt on purpose, placeholders included, and it is used as it is.
 """
 
 from __future__ import annotations
 
 import base64
+import copy
 import io
-from collections.abc import Sequence
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import numpy as np
 
+from mmserve.errors import InputError
 from mmserve.inputs import family_of_checkpoint
 from mmserve.passthrough.placeholders import placeholder_runs
 from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS, empty_feature
 
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
-class PreprocessError(ValueError):
-    """A request the preprocessing cannot turn into model inputs (bad media, bad prompt)."""
+MiB = 1 << 20
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+"""The only image decoders ever tried (no EPS/Ghostscript, no exotic plugins on untrusted bytes)."""
+MAX_SAMPLE_RATE = 768_000
+"""Highest accepted sample rate (Hz) of an audio clip."""
+FALLBACK_AUDIO_SECONDS = 30.0
+"""``max_audio_seconds`` when the feature extractor declares no window."""
+ControlTokenPolicy = Literal["escape", "reject"]
+CONTROL_TOKEN_POLICIES: tuple[str, ...] = ("escape", "reject")
+
+# What the HF processor raises on inputs it can't handle; anything else is a fault of ours.
+_PROCESSOR_REJECTIONS = (ValueError, IndexError, TypeError, ArithmeticError, RuntimeError)
+
+
+class PreprocessError(InputError):
+    """A request the preprocessing cannot turn into model inputs (bad media, bad prompt, a limit)."""
+
+
+@dataclass(frozen=True)
+class PreprocessLimits:
+    """Bounds on one request; each field is also a config.pbtxt parameter of the same name.
+
+    See the module docstring for what each one bounds and why.
+    """
+
+    max_request_bytes: int = 64 * MiB
+    max_images: int = 4
+    max_image_pixels: int = 16_777_216
+    max_audio_clips: int = 2
+    max_audio_seconds: float | None = None
+    """``None``: the feature extractor's window (``n_samples / sampling_rate``)."""
+    max_total_audio_seconds: float = 60.0
+    max_prompt_tokens: int = 32_768
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is None and field.name == "max_audio_seconds":
+                continue
+            kind = int if field.type == "int" else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+                expected = "a positive integer" if kind is int else "a positive number"
+                raise ValueError(f"{field.name}: expected {expected}, found {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{field.name}: expected a finite number, found {value!r}")
+
+    @classmethod
+    def from_parameters(cls, parameters: Mapping[str, str]) -> PreprocessLimits:
+        """The limits set among Triton model ``parameters`` (string values; other keys ignored).
+
+        An absent or empty value keeps the default; ``max_audio_seconds`` also takes ``"window"``.
+        """
+        values: dict[str, Any] = {}
+        for field in fields(cls):
+            text = str(parameters.get(field.name, "")).strip()
+            if not text or (field.name == "max_audio_seconds" and text == "window"):
+                continue
+            seconds = field.name.endswith("_seconds")
+            try:
+                values[field.name] = float(text) if seconds else int(text)
+            except ValueError:
+                kind = "a number of seconds" if seconds else "an integer"
+                raise ValueError(f"parameter {field.name}: expected {kind}, found {text!r}") from None
+        return cls(**values)
+
+
+@dataclass
+class _Clip:
+    """One decoded audio clip: mono float32 at the feature extractor's rate."""
+
+    label: str  # "audio[0]", "audio_pcm[0]"
+    samples: np.ndarray
+    seconds: float  # duration as received
+
+
+@dataclass
+class _UserText:
+    """An escaped user message: where its sentinel sits in the processor's ids, what replaces it."""
+
+    lead_ids: list[int]  # plain text between the previous special token and the sentinel
+    trail_ids: list[int]  # plain text between the sentinel and the next special token
+    ids: list[int]  # lead + user text + trail, special-token strings tokenized as plain text
+
+
+_BYTES_LIKE = (bytes, bytearray)
+
+
+def decode_text(text: str | bytes) -> str:
+    """``text_input`` as a ``str``; invalid UTF-8 is an error naming the byte offset."""
+    if isinstance(text, str):
+        return text
+    if not isinstance(text, _BYTES_LIKE):
+        raise PreprocessError(f"text_input: expected a UTF-8 string, found {type(text).__name__}")
+    try:
+        return bytes(text).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PreprocessError(
+            f"text_input: invalid UTF-8 at byte {exc.start} (0x{exc.object[exc.start]:02x}): {exc.reason}"
+        ) from None
+
+
+def _byte_size(what: str, value: str | bytes) -> int:
+    """Bytes of a text or media element as received (a ``str`` counts as UTF-8)."""
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, _BYTES_LIKE):
+        return len(value)
+    expected = "a UTF-8 string" if what == "text_input" else "bytes or a data URL"
+    raise PreprocessError(f"{what}: expected {expected}, found {type(value).__name__}")
+
+
+def _declared_size(payload: bytes) -> tuple[int, int] | None:
+    """The size an image's header declares, read without PIL's global bomb check (error path only:
+    ``PIL.Image.open`` refused to say). Uses PIL's registry of format plugins."""
+    from PIL import Image
+
+    Image.init()
+    for name in IMAGE_FORMATS:
+        factory, accept = Image.OPEN.get(name, (None, None))
+        if factory is not None and (accept is None or accept(payload[:16]) is True):
+            try:
+                with factory(io.BytesIO(payload), "") as image:
+                    return image.size
+            except Exception:  # noqa: BLE001 - not a valid file of this format
+                return None
+    return None
+
+
+def payload_bytes(data: bytes | str) -> bytes:
+    """A media element's file bytes: the element itself, or the content of a base64 data URL."""
+    if isinstance(data, str):
+        data = data.encode()
+    if not isinstance(data, _BYTES_LIKE):
+        raise TypeError(f"expected bytes or a data URL, found {type(data).__name__}")
+    data = bytes(data)
+    if not data.startswith(b"data:"):
+        return data
+    header, _, encoded = data.partition(b",")
+    if not header.endswith(b";base64"):
+        raise ValueError("a data URL must be base64-encoded")
+    try:
+        return base64.b64decode(encoded, validate=True)
+    except ValueError as exc:
+        raise ValueError(f"invalid base64 in data URL ({exc})") from None
 
 
 class Preprocessor:
-    """The HF processor of one checkpoint, applied to raw requests.
+    """The HF processor of one checkpoint, applied to raw requests within ``limits``.
 
     Args:
         model: local checkpoint directory (the same one ``mm_llm`` serves).
+        limits: bounds on one request (defaults: ``PreprocessLimits()``).
+        user_control_tokens: ``"escape"`` (special-token strings in user text become plain text) or
+            ``"reject"`` (they are refused); applies with the chat template only.
     """
 
-    def __init__(self, model: str | Path) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        limits: PreprocessLimits | None = None,
+        user_control_tokens: ControlTokenPolicy = "escape",
+    ) -> None:
         from transformers import AutoProcessor
         from transformers.utils import logging as hf_logging
 
@@ -43,71 +265,83 @@ class Preprocessor:
             self.processor = AutoProcessor.from_pretrained(self.model)
         finally:
             hf_logging.set_verbosity(verbosity)
-        vocab = self.processor.tokenizer.get_vocab()
+        self.tokenizer = self.processor.tokenizer
+        vocab = self.tokenizer.get_vocab()
         self.placeholder_ids = {
             spec.modality: (spec.placeholder_token, vocab[spec.placeholder_token])
             for spec in self.family.modalities
         }
         self.modalities = {spec.modality for spec in self.family.modalities}
+        # No token stands for more text than this: a longer text is surely over max_prompt_tokens.
+        self.max_token_bytes = max(len(token.encode()) for token in vocab)
         extractor = getattr(self.processor, "feature_extractor", None)
         self.sampling_rate: int | None = getattr(extractor, "sampling_rate", None)
+        self.audio_window_s = self._audio_window(extractor)
+        self.control_tokens = self._special_tokens()
+        self._control_pattern = re.compile("|".join(re.escape(t) for t in self.control_tokens) or r"(?!)")
+        self._sentinel, self._sentinel_id = self._pick_sentinel(vocab)
+        self._min_audio_samples: int | None = None  # found on the first too-short clip
+        self._configure(limits or PreprocessLimits(), user_control_tokens)
 
-    # -- media ---------------------------------------------------------------------------------
-    @staticmethod
-    def _payload(data: bytes | str, what: str) -> bytes:
-        if isinstance(data, str):
-            data = data.encode()
-        if data.startswith(b"data:"):
-            header, _, encoded = data.partition(b",")
-            if not header.endswith(b";base64"):
-                raise PreprocessError(f"{what}: a data URL must be base64-encoded")
-            try:
-                return base64.b64decode(encoded, validate=True)
-            except ValueError as exc:
-                raise PreprocessError(f"{what}: invalid base64 in data URL ({exc})") from None
-        return data
+    def with_settings(
+        self, *, limits: PreprocessLimits | None = None, user_control_tokens: ControlTokenPolicy | None = None
+    ) -> Preprocessor:
+        """The same loaded processor under other limits or control-token policy (a cheap copy)."""
+        other = copy.copy(self)
+        other._configure(limits or self.limits, user_control_tokens or self.user_control_tokens)
+        return other
 
-    def decode_image(self, index: int, data: bytes | str):
-        from PIL import Image, UnidentifiedImageError
+    # -- setup ---------------------------------------------------------------------------------
+    def _configure(self, limits: PreprocessLimits, user_control_tokens: str) -> None:
+        if user_control_tokens not in CONTROL_TOKEN_POLICIES:
+            raise ValueError(
+                f"user_control_tokens: expected one of {list(CONTROL_TOKEN_POLICIES)}, found {user_control_tokens!r}"
+            )
+        self.limits = limits
+        self.max_audio_seconds = self._max_audio_seconds()
+        self.user_control_tokens = user_control_tokens
 
-        what = f"image[{index}]"
-        payload = self._payload(data, what)
-        try:
-            with Image.open(io.BytesIO(payload)) as image:
-                return image.convert("RGB")
-        except (UnidentifiedImageError, OSError, ValueError):
-            raise PreprocessError(
-                f"{what}: cannot decode {len(payload)} bytes as an image (PNG/JPEG/WebP/...)"
-            ) from None
+    def _audio_window(self, extractor: Any) -> float | None:
+        n_samples = getattr(extractor, "n_samples", None)
+        if n_samples and self.sampling_rate:
+            return n_samples / self.sampling_rate
+        return None
 
-    def decode_audio(self, index: int, data: bytes | str) -> np.ndarray:
-        import soundfile
+    def _max_audio_seconds(self) -> float:
+        configured = self.limits.max_audio_seconds
+        window = self.audio_window_s
+        if configured is None:
+            return window or FALLBACK_AUDIO_SECONDS
+        if window is not None and configured > window:
+            raise ValueError(
+                f"max_audio_seconds: {configured} s exceeds the model's audio window of {window} s "
+                "(the feature extractor would cut longer clips silently)"
+            )
+        return float(configured)
 
-        what = f"audio[{index}]"
-        payload = self._payload(data, what)
-        try:
-            samples, rate = soundfile.read(io.BytesIO(payload), dtype="float32", always_2d=True)
-        except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
-            raise PreprocessError(
-                f"{what}: cannot decode {len(payload)} bytes as audio (WAV/FLAC/OGG/MP3): "
-                f"{str(exc).rsplit(': ', 1)[-1]}"
-            ) from None
-        return self.resample(what, samples.mean(axis=1), rate)
+    def _special_tokens(self) -> tuple[str, ...]:
+        """The tokenizer's special tokens, longest first (so that the longest match wins)."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        tokens = {token.content for token in added.values() if getattr(token, "special", False)}
+        tokens.update(self.tokenizer.all_special_tokens)
+        tokens.update(token for token, _ in self.placeholder_ids.values())
+        return tuple(sorted((t for t in tokens if t), key=lambda t: (-len(t), t)))
 
-    def resample(self, what: str, samples: np.ndarray, rate: int) -> np.ndarray:
-        """Mono float32 at the feature extractor's rate."""
-        samples = np.asarray(samples, dtype=np.float32)
-        if samples.ndim != 1 or samples.size == 0:
-            raise PreprocessError(f"{what}: expected a non-empty mono clip, found shape {samples.shape}")
-        if rate <= 0:
-            raise PreprocessError(f"{what}: expected a positive sample rate, found {rate}")
-        if self.sampling_rate is None or rate == self.sampling_rate:
-            return samples
-        import soxr
+    def _pick_sentinel(self, vocab: Mapping[str, int]) -> tuple[str, int]:
+        """A special token that neither the template nor the processor's expansion ever uses."""
+        if not self.control_tokens:
+            return "", -1  # nothing to escape, ever
+        every_kind = self.chat_prompt("", int("image" in self.modalities), int("audio" in self.modalities))
+        busy = set(self._control_pattern.findall(every_kind))
+        busy.update(token for token, _ in self.placeholder_ids.values())
+        busy.update(getattr(self.processor, f"{kind}_token", None) for kind in ("image", "audio", "video"))
+        free = sorted((vocab[t], t) for t in self.control_tokens if t not in busy and t in vocab)
+        if not free:
+            raise ValueError(f"{self.model}: no special token is free to stand for the user's text")
+        token_id, token = free[0]
+        return token, token_id
 
-        return soxr.resample(samples, rate, self.sampling_rate).astype(np.float32)
-
-    # -- prompt --------------------------------------------------------------------------------
+    # -- text ----------------------------------------------------------------------------------
     def chat_prompt(self, text: str, num_images: int, num_audios: int) -> str:
         """One user turn: the images, then the audio clips, then the text; generation prompt on."""
         content: list[dict[str, Any]] = [{"type": "image"}] * num_images
@@ -116,50 +350,375 @@ class Preprocessor:
         messages = [{"role": "user", "content": content}]
         return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
+    def _user_prompt(self, text: str, num_images: int, num_audios: int) -> tuple[str, _UserText | None]:
+        """The templated prompt, and how to splice the user's text back in when it is escaped."""
+        found = self._control_pattern.search(text)
+        if found is None:
+            return self.chat_prompt(text, num_images, num_audios), None
+        if self.user_control_tokens == "reject":
+            raise PreprocessError(
+                f"text_input: the control token {found.group()!r} at character {found.start()} is not "
+                "accepted in user text (user_control_tokens=reject)"
+            )
+        prompt = self.chat_prompt(self._sentinel, num_images, num_audios)
+        if prompt.count(self._sentinel) != 1:
+            raise RuntimeError(f"the chat template repeats the user text sentinel {self._sentinel!r}")
+        before, _, after = prompt.partition(self._sentinel)
+        lead = self._control_pattern.split(before)[-1]
+        trail = self._control_pattern.split(after)[0]
+        return prompt, _UserText(
+            lead_ids=self._tokenize(lead),
+            trail_ids=self._tokenize(trail),
+            ids=self._tokenize(lead + text + trail, split_special_tokens=True),
+        )
+
+    def _tokenize(self, text: str, *, split_special_tokens: bool = False) -> list[int]:
+        if not text:
+            return []
+        encoded = self.tokenizer(text, add_special_tokens=False, split_special_tokens=split_special_tokens)
+        return list(encoded["input_ids"])
+
+    def _splice(self, input_ids: np.ndarray, user: _UserText) -> np.ndarray:
+        """``input_ids`` with the sentinel (and the plain text around it) replaced by the user's ids."""
+        (where,) = np.nonzero(input_ids == self._sentinel_id)
+        if where.size != 1:
+            raise RuntimeError(f"the sentinel {self._sentinel!r} occurs {where.size} times in the prompt ids")
+        pos = int(where[0])
+        start, end = pos - len(user.lead_ids), pos + 1 + len(user.trail_ids)
+        if (start < 0 or input_ids[start:pos].tolist() != user.lead_ids
+                or input_ids[pos + 1:end].tolist() != user.trail_ids):
+            raise RuntimeError("the text around the user text sentinel tokenized differently in context")
+        ids = np.asarray(user.ids, dtype=input_ids.dtype)
+        return np.concatenate((input_ids[:start], ids, input_ids[end:]))
+
+    # -- request-level limits ------------------------------------------------------------------
+    def _check_request(
+        self,
+        text: str | bytes,
+        images: Sequence[bytes | str],
+        audios: Sequence[bytes | str],
+        pcm: Sequence[tuple[np.ndarray, int]],
+    ) -> None:
+        """Modalities, item counts and total size: all before anything is decoded."""
+        limits = self.limits
+        if images and "image" not in self.modalities:
+            raise PreprocessError(f"image: the {self.family.name} model takes no images")
+        if (audios or pcm) and "audio" not in self.modalities:
+            raise PreprocessError(f"audio: the {self.family.name} model takes no audio")
+        if len(images) > limits.max_images:
+            raise PreprocessError(
+                f"image: {len(images)} images exceed the limit of {limits.max_images} per request (max_images)"
+            )
+        clips = len(audios) + len(pcm)
+        if clips > limits.max_audio_clips:
+            raise PreprocessError(
+                f"audio: {clips} clips (audio and audio_pcm together) exceed the limit of "
+                f"{limits.max_audio_clips} per request (max_audio_clips)"
+            )
+        text_bytes = _byte_size("text_input", text)
+        total = text_bytes + sum(_byte_size(f"image[{i}]", item) for i, item in enumerate(images))
+        total += sum(_byte_size(f"audio[{i}]", item) for i, item in enumerate(audios))
+        total += sum(np.asarray(samples).nbytes for samples, _ in pcm)
+        if total > limits.max_request_bytes:
+            raise PreprocessError(
+                f"request: {total} bytes of text and media exceed the limit of {limits.max_request_bytes} "
+                "(max_request_bytes)"
+            )
+        fewest_tokens = -(-text_bytes // self.max_token_bytes)  # without spending time to tokenize it
+        if fewest_tokens > limits.max_prompt_tokens:
+            raise PreprocessError(
+                f"text_input: {text_bytes} bytes make at least {fewest_tokens} tokens, over the limit of "
+                f"{limits.max_prompt_tokens} (max_prompt_tokens)"
+            )
+
+    # -- images --------------------------------------------------------------------------------
+    def decode_image(self, index: int, data: bytes | str) -> Image:
+        """``image[index]`` as RGB, its pixel count checked from the header before decoding."""
+        from PIL import Image as PILImage
+
+        what = f"image[{index}]"
+        payload = self._payload(what, data)
+        try:
+            with PILImage.open(io.BytesIO(payload), formats=IMAGE_FORMATS) as image:
+                self._check_image_pixels(what, *image.size)
+                return image.convert("RGB")
+        except (PreprocessError, MemoryError):
+            raise
+        except (PILImage.DecompressionBombError, PILImage.DecompressionBombWarning):
+            raise PreprocessError(self._pil_refused(what, payload)) from None
+        except PILImage.UnidentifiedImageError:
+            raise PreprocessError(self._undecodable_image(what, payload)) from None
+        except Exception as exc:  # noqa: BLE001 - any decoder failure on untrusted bytes is the client's
+            raise PreprocessError(f"{self._undecodable_image(what, payload)}: {exc}") from None
+
+    def _pil_refused(self, what: str, payload: bytes) -> str:
+        """PIL's own (global) bomb check refused the image: say whose limit it is over."""
+        size = _declared_size(payload)
+        if size is None:
+            return f"{what}: more pixels than the image decoder accepts (PIL.Image.MAX_IMAGE_PIXELS)"
+        width, height = size
+        limit = self.limits.max_image_pixels
+        if width * height > limit:
+            return f"{what}: {width * height} pixels ({width}x{height}) exceeds the limit of {limit} (max_image_pixels)"
+        return (f"{what}: {width * height} pixels ({width}x{height}) exceeds the image decoder's own limit "
+                "(PIL.Image.MAX_IMAGE_PIXELS)")
+
+    @staticmethod
+    def _undecodable_image(what: str, payload: bytes) -> str:
+        return f"{what}: cannot decode {len(payload)} bytes as an image ({'/'.join(IMAGE_FORMATS)})"
+
+    def _check_image_pixels(self, what: str, width: int, height: int) -> None:
+        limit = self.limits.max_image_pixels
+        if width * height > limit:
+            raise PreprocessError(
+                f"{what}: {width * height} pixels ({width}x{height}) exceeds the limit of {limit} (max_image_pixels)"
+            )
+
+    # -- audio ---------------------------------------------------------------------------------
+    def decode_audio(self, index: int, data: bytes | str) -> np.ndarray:
+        """``audio[index]``: mono float32 at the feature extractor's rate, within the limits."""
+        return self._decode_audio(f"audio[{index}]", data).samples
+
+    def _decode_audio(self, what: str, data: bytes | str) -> _Clip:
+        import soundfile
+
+        payload = self._payload(what, data)
+        try:
+            with soundfile.SoundFile(io.BytesIO(payload)) as sound:
+                rate = self._check_rate(what, sound.samplerate)
+                limit = math.floor(self.max_audio_seconds * rate)
+                if sound.frames > limit:  # the header's length; the read below is bounded anyway
+                    self._too_long(what, sound.frames / rate)
+                samples = sound.read(frames=limit + 1, dtype="float32", always_2d=True)
+        except (PreprocessError, MemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - any decoder failure on untrusted bytes is the client's
+            raise PreprocessError(
+                f"{what}: cannot decode {len(payload)} bytes as audio (WAV/FLAC/OGG/MP3): "
+                f"{str(exc).rsplit(': ', 1)[-1]}"
+            ) from None
+        if len(samples) > limit:
+            self._too_long(what, None)
+        return self._clip(what, samples.mean(axis=1), rate)
+
+    def resample(self, what: str, samples: np.ndarray, rate: int) -> np.ndarray:
+        """Mono float32 at the feature extractor's rate (checked: shape, rate, finite values)."""
+        return self._clip(what, samples, rate).samples
+
+    def _clip(self, what: str, samples: np.ndarray, rate: int) -> _Clip:
+        samples = np.asarray(samples, dtype=np.float32)
+        if samples.ndim != 1 or samples.size == 0:
+            raise PreprocessError(f"{what}: expected a non-empty mono clip, found shape {samples.shape}")
+        rate = self._check_rate(what, rate)
+        seconds = samples.size / rate
+        if seconds > self.max_audio_seconds:
+            self._too_long(what, seconds)
+        if not np.isfinite(samples).all():
+            bad = int(np.count_nonzero(~np.isfinite(samples)))
+            raise PreprocessError(f"{what}: {bad} non-finite samples (NaN/Inf)")
+        if self.sampling_rate is not None and rate != self.sampling_rate:
+            import soxr
+
+            samples = soxr.resample(samples, rate, self.sampling_rate).astype(np.float32, copy=False)
+        return _Clip(what, samples, seconds)
+
+    @staticmethod
+    def _check_rate(what: str, rate: Any) -> int:
+        try:
+            rate = int(rate)
+        except (TypeError, ValueError, OverflowError):
+            raise PreprocessError(f"{what}: expected an integer sample rate, found {rate!r}") from None
+        if not 0 < rate <= MAX_SAMPLE_RATE:
+            raise PreprocessError(
+                f"{what}: expected a positive sample rate of at most {MAX_SAMPLE_RATE} Hz, found {rate}"
+            )
+        return rate
+
+    def _too_long(self, what: str, seconds: float | None) -> NoReturn:
+        """``seconds``: the clip's length, None when only known to be longer than the limit."""
+        limit = self.max_audio_seconds
+        name = "max_audio_seconds"
+        if self.audio_window_s is not None and limit == self.audio_window_s:
+            name += "; the model's audio window"
+        length = "the clip" if seconds is None else f"{seconds:.1f} s"
+        if seconds is not None and round(seconds, 1) <= limit:  # just over: show the difference
+            length = f"{seconds:.6f} s"
+        raise PreprocessError(f"{what}: {length} exceeds the limit of {limit:.1f} s per clip ({name})")
+
+    def _decode_clips(self, audios: Sequence[bytes | str], pcm: Sequence[tuple[np.ndarray, int]]) -> list[_Clip]:
+        clips = [self._decode_audio(f"audio[{i}]", data) for i, data in enumerate(audios)]
+        clips += [self._clip(f"audio_pcm[{i}]", samples, rate) for i, (samples, rate) in enumerate(pcm)]
+        total, limit = sum(clip.seconds for clip in clips), self.limits.max_total_audio_seconds
+        if total > limit:
+            raise PreprocessError(
+                f"audio: {total:.1f} s in total exceeds the limit of {limit:.1f} s (max_total_audio_seconds)"
+            )
+        return clips
+
+    @staticmethod
+    def _payload(what: str, data: bytes | str) -> bytes:
+        try:
+            return payload_bytes(data)
+        except ValueError as exc:
+            raise PreprocessError(f"{what}: {exc}") from None
+        except TypeError as exc:
+            raise PreprocessError(f"{what}: {exc}") from None
+
+    # -- the processor -------------------------------------------------------------------------
+    def _run_processor(self, prompt: str, images: Sequence[Image], clips: Sequence[np.ndarray]) -> Mapping[str, Any]:
+        kwargs: dict[str, Any] = {"text": [prompt], "return_tensors": "np"}
+        if images:
+            kwargs["images"] = list(images)
+        if clips:
+            kwargs["audio"] = list(clips)
+            kwargs["sampling_rate"] = self.sampling_rate
+        return self.processor(**kwargs)
+
+    def _item_tokens(self, modality: str, item: Any) -> int:
+        """Placeholder tokens one item yields when processed on its own (error path only)."""
+        if modality == "image":
+            processed = self._run_processor(self.chat_prompt("", 1, 0), [item], [])
+        else:
+            processed = self._run_processor(self.chat_prompt("", 0, 1), [], [item])
+        _, token_id = self.placeholder_ids[modality]
+        return int(np.count_nonzero(np.asarray(processed["input_ids"][0]) == token_id))
+
+    def _blame_item(self, images: Sequence[Image], clips: Sequence[_Clip]) -> None:
+        """Raise a ``PreprocessError`` naming the first item the processor rejects on its own."""
+        for index, image in enumerate(images):
+            self._blame_image(f"image[{index}]", image)
+        for clip in clips:
+            self._blame_clip(clip)
+
+    def _blame_image(self, what: str, image: Image) -> None:
+        width, height = image.size
+        try:
+            tokens = self._item_tokens("image", image)
+        except _PROCESSOR_REJECTIONS as exc:
+            raise PreprocessError(f"{what}: {width}x{height} pixels: the processor rejects it ({exc})") from None
+        if tokens == 0:
+            raise PreprocessError(f"{what}: {width}x{height} pixels: the processor gives it no placeholder")
+
+    def _blame_clip(self, clip: _Clip) -> None:
+        try:
+            tokens = self._item_tokens("audio", clip.samples)
+        except _PROCESSOR_REJECTIONS as exc:
+            raise PreprocessError(
+                f"{clip.label}: a {clip.seconds:.3f} s clip: the processor rejects it ({exc})"
+            ) from None
+        if tokens == 0:
+            # Rounded up to the millisecond: a clip of the length printed always passes.
+            needed = math.ceil(self._shortest_clip(clip.samples.size) * 1000 / self.sampling_rate) / 1000
+            raise PreprocessError(
+                f"{clip.label}: a {clip.seconds:.3f} s clip is too short: at least {needed:.3f} s needed "
+                "(shorter clips give no audio embedding)"
+            )
+
+    def _shortest_clip(self, too_short: int) -> int:
+        """Fewest samples (at the model's rate) that give one audio placeholder; found once, by search.
+
+        ``too_short``: a length known to give none.
+        """
+        if self._min_audio_samples is None:
+            window = int((self.audio_window_s or self.max_audio_seconds) * self.sampling_rate)
+            low, high = too_short, min(max(2 * too_short, 1), window)  # low gives none
+            while high < window and not self._item_tokens("audio", np.zeros(high, np.float32)):
+                low, high = high, min(2 * high, window)
+            while high - low > 1:  # low gives none, high gives some
+                middle = (low + high) // 2
+                if self._item_tokens("audio", np.zeros(middle, np.float32)):
+                    high = middle
+                else:
+                    low = middle
+            self._min_audio_samples = high
+        return self._min_audio_samples
+
+    def _process(
+        self, prompt: str, images: Sequence[Image], clips: Sequence[_Clip], *, raw_prompt: bool, seen_text: str | None
+    ) -> Mapping[str, Any]:
+        """The processor's output. ``seen_text``: the user text as the processor saw it (None: escaped)."""
+        try:
+            return self._run_processor(prompt, images, [clip.samples for clip in clips])
+        except _PROCESSOR_REJECTIONS as exc:
+            failure = exc
+        # Error path: which part of the request does the processor reject?
+        self._blame_item(images, clips)
+        if raw_prompt:  # the caller wrote the prompt, placeholders included
+            raise PreprocessError(f"text_input: the processor rejected the prompt and media: {failure}") from None
+        if seen_text is not None:
+            try:
+                self._run_processor(self.chat_prompt(seen_text, 0, 0), [], [])
+            except _PROCESSOR_REJECTIONS as exc:
+                raise PreprocessError(f"text_input: the processor rejects the text ({exc})") from None
+        raise failure  # not the request's fault as far as can be told: an internal error
+
+    def _check_placeholders(
+        self, input_ids: np.ndarray, images: Sequence[Image], clips: Sequence[_Clip], *, raw_prompt: bool
+    ) -> None:
+        given = {"image": len(images), "audio": len(clips)}
+        for modality, (token, token_id) in self.placeholder_ids.items():
+            runs = len(placeholder_runs(input_ids, token_id))
+            if runs == given[modality]:
+                continue
+            self._blame_item(images, clips)  # e.g. a clip too short for one embedding
+            if not raw_prompt:
+                raise RuntimeError(f"the templated prompt has {runs} {token} runs for {given[modality]} item(s)")
+            raise PreprocessError(
+                f"text_input: {runs} {token} placeholder(s) in the prompt, "
+                f"but {given[modality]} {modality} item(s) given"
+            )
+
     # -- the whole step ------------------------------------------------------------------------
     def __call__(
         self,
-        text: str,
+        text: str | bytes,
         images: Sequence[bytes | str] = (),
         audios: Sequence[bytes | str] = (),
         pcm: Sequence[tuple[np.ndarray, int]] = (),
         *,
         apply_chat_template: bool = True,
     ) -> dict[str, np.ndarray]:
-        """``input_ids`` and every feature tensor of the contract, as numpy arrays."""
-        if images and "image" not in self.modalities:
-            raise PreprocessError(f"image: the {self.family.name} model takes no images")
-        if (audios or len(pcm)) and "audio" not in self.modalities:
-            raise PreprocessError(f"audio: the {self.family.name} model takes no audio")
-        pil_images = [self.decode_image(i, data) for i, data in enumerate(images)]
-        clips = [self.decode_audio(i, data) for i, data in enumerate(audios)]
-        clips += [self.resample(f"audio_pcm[{i}]", s, r) for i, (s, r) in enumerate(pcm)]
+        """``input_ids`` and every feature tensor of the contract, as numpy arrays.
 
-        prompt = self.chat_prompt(text, len(pil_images), len(clips)) if apply_chat_template else text
-        kwargs: dict[str, Any] = {"text": [prompt], "return_tensors": "np"}
-        if pil_images:
-            kwargs["images"] = pil_images
-        if clips:
-            kwargs["audio"] = clips
-            kwargs["sampling_rate"] = self.sampling_rate
-        try:
-            processed = self.processor(**kwargs)
-        except (ValueError, IndexError) as exc:  # e.g. placeholders in the text != media given
-            raise PreprocessError(f"text_input: the processor rejected the prompt and media: {exc}") from None
+        Raises:
+            PreprocessError: the request is invalid or over a limit (the message names the input).
+        """
+        self._check_request(text, images, audios, pcm)
+        text = decode_text(text)
+        pil_images = [self.decode_image(i, data) for i, data in enumerate(images)]
+        clips = self._decode_clips(audios, pcm)
+
+        user: _UserText | None = None
+        if apply_chat_template:
+            prompt, user = self._user_prompt(text, len(pil_images), len(clips))
+        else:
+            prompt = text
+        seen_text = text if user is None else None
+        processed = self._process(prompt, pil_images, clips, raw_prompt=not apply_chat_template, seen_text=seen_text)
 
         input_ids = np.asarray(processed["input_ids"][0], dtype=INPUT_IDS.dtype)
-        given = {"image": len(pil_images), "audio": len(clips)}
-        for modality, (token, token_id) in self.placeholder_ids.items():
-            runs = len(placeholder_runs(input_ids, token_id))
-            if runs != given[modality]:
-                raise PreprocessError(
-                    f"text_input: {runs} {token} placeholder(s) in the prompt, "
-                    f"but {given[modality]} {modality} item(s) given"
-                )
-        outputs = {INPUT_IDS.name: input_ids}
+        if user is not None:
+            input_ids = self._splice(input_ids, user)
+        if input_ids.size > self.limits.max_prompt_tokens:
+            raise PreprocessError(
+                f"text_input: the prompt is {input_ids.size} tokens after expansion (template, text and media "
+                f"placeholders), over the limit of {self.limits.max_prompt_tokens} (max_prompt_tokens)"
+            )
+        self._check_placeholders(input_ids, pil_images, clips, raw_prompt=not apply_chat_template)
+        return {INPUT_IDS.name: input_ids, **self._features(processed)}
+
+    @staticmethod
+    def _features(processed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Every feature tensor of the contract; float ones checked finite."""
+        outputs = {}
         for spec in FEATURE_TENSORS:
             value = processed.get(spec.name)
-            outputs[spec.name] = (
-                empty_feature(spec) if value is None else np.ascontiguousarray(value, dtype=spec.dtype)
-            )
+            array = empty_feature(spec) if value is None else np.ascontiguousarray(value, dtype=spec.dtype)
+            if spec.is_float and not np.isfinite(array).all():
+                bad = int(np.count_nonzero(~np.isfinite(array)))
+                raise PreprocessError(
+                    f"{spec.name}: {bad} non-finite values (NaN/Inf) in the processed features "
+                    "(the media's values are out of range)"
+                )
+            outputs[spec.name] = array
         return outputs

@@ -1,0 +1,27 @@
+"""mm_pipeline: preprocess -> mm_llm through BLS, with the tensors of mm_ensemble, and the client's
+cancellation carried to the engine (Triton's ensemble scheduler can't: see mmserve.serving.pipeline).
+
+Inputs and outputs: those of mm_ensemble (docs/tensors.md). Decoupled: streams when `stream` is true.
+The logic lives in mmserve.serving.pipeline.
+"""
+
+import json
+
+import triton_python_backend_utils as pb_utils
+
+from mmserve.serving.pipeline import Pipeline
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        if not pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"])):
+            raise pb_utils.TritonModelException("mm_pipeline must be decoupled (model_transaction_policy)")
+        self.pipeline = Pipeline(pb_utils)
+
+    def execute(self, requests):
+        for request in requests:
+            self.pipeline.submit(request)
+        return None
+
+    def finalize(self):
+        self.pipeline.shutdown()

@@ -1,0 +1,135 @@
+"""What the ``mm_pipeline`` Triton model runs: ``preprocess`` then ``mm_llm`` through BLS, with the
+client's cancellation carried to the engine.
+
+``mm_ensemble`` chains the same two models, but Triton's ensemble scheduler checks a request's
+cancellation only between steps: once ``mm_llm`` runs, a client that cancels is not seen and the
+engine generates to the end. Here the pipeline model itself holds the client's request, so it sees
+the cancellation; Triton 2.51's BLS can't cancel a stream it opened (``InferenceResponseIterator``
+has no ``cancel`` before 2.52), so the pipeline sends ``mm_llm`` a control request
+(``cancel`` = the BLS request's id) and ``mm_llm`` aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from mmserve.errors import InternalError, UnavailableError
+from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
+from mmserve.serving.triton import error_response, tagged_message
+
+logger = logging.getLogger(__name__)
+
+PREPROCESS_INPUTS = ("text_input", "image", "audio", "audio_pcm", "audio_sample_rate", "apply_chat_template")
+LLM_INPUTS = (
+    "text_input", "stream", "sampling_parameters", "exclude_input_in_output", "return_finish_reason",
+    "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens", "return_num_output_tokens",
+)
+OUTPUTS = ("text_output", "output_ids", "finish_reason", "cumulative_logprob", "logprobs",
+           "num_input_tokens", "num_output_tokens")
+CANCEL_POLL_S = 0.1
+
+
+class Pipeline:
+    """Serves ``mm_pipeline`` requests, each on a thread of its own (responses stream from it).
+
+    Args:
+        pb_utils: ``triton_python_backend_utils``.
+        preprocess, llm: the names of the two models it calls.
+    """
+
+    def __init__(self, pb_utils: Any, *, preprocess: str = "preprocess", llm: str = "mm_llm") -> None:
+        self.pb = pb_utils
+        self.preprocess, self.llm = preprocess, llm
+        self._senders: dict[str, Any] = {}  # BLS request id -> the client's response sender
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_cancellations, name="mm_pipeline-cancel", daemon=True)
+        self._watcher.start()
+
+    def submit(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        threading.Thread(target=self._serve, args=(request, sender), name="mm_pipeline-request", daemon=True).start()
+
+    def _serve(self, request: Any, sender: Any) -> None:
+        pb = self.pb
+        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        request_id = uuid.uuid4().hex
+        try:
+            given = {name: pb.get_input_tensor_by_name(request, name) for name in (*PREPROCESS_INPUTS, *LLM_INPUTS)}
+            processed = pb.InferenceRequest(
+                model_name=self.preprocess,
+                inputs=[given[n] for n in PREPROCESS_INPUTS if given[n] is not None],
+                requested_output_names=[INPUT_IDS.name, *(spec.name for spec in FEATURE_TENSORS)],
+            ).exec()
+            if processed.has_error():
+                sender.send(pb.InferenceResponse(error=self._error(processed.error(), self.preprocess)), flags=final)
+                return
+            inputs = processed.output_tensors() + [given[n] for n in LLM_INPUTS if given[n] is not None]
+            with self._lock:
+                self._senders[request_id] = sender
+            responses = pb.InferenceRequest(
+                model_name=self.llm, inputs=inputs, requested_output_names=list(OUTPUTS), request_id=request_id,
+            ).exec(decoupled=True)
+            for response in responses:
+                if response.has_error():
+                    sender.send(pb.InferenceResponse(error=self._error(response.error(), self.llm)), flags=final)
+                    return
+                tensors = response.output_tensors()
+                if tensors:
+                    sender.send(pb.InferenceResponse(output_tensors=tensors))
+            sender.send(flags=final)
+        except Exception as exc:  # noqa: BLE001 - answered, the detail logged (error_response)
+            sender.send(error_response(pb, exc, context=f"mm_pipeline {request_id}"), flags=final)
+        finally:
+            with self._lock:
+                self._senders.pop(request_id, None)
+
+    def _error(self, error: Any, model: str) -> Any:
+        """An error of a called model, as the client gets it: the models' own errors carry their
+        ``[CODE]`` tag already; Triton's (model not loaded, ...) are classified here."""
+        message = error.message()
+        if message.startswith("["):
+            return error
+        if "unknown model" in message or "not ready" in message or "no available versions" in message:
+            failure = UnavailableError(f"{model} is not available (restarting?); retry shortly")
+        else:
+            logger.error("%s answered: %s", model, message)
+            failure = InternalError(f"{model} failed; the server log has the detail")
+        return self.pb.TritonError(tagged_message(failure.triton_code, str(failure)),
+                                   getattr(self.pb.TritonError, failure.triton_code))
+
+    def _watch_cancellations(self) -> None:
+        cancelled: set[str] = set()
+        while not self._stopping.wait(CANCEL_POLL_S):
+            with self._lock:
+                senders = list(self._senders.items())
+            cancelled &= {request_id for request_id, _ in senders}
+            for request_id, sender in senders:
+                if request_id not in cancelled and sender.is_cancelled():
+                    cancelled.add(request_id)
+                    self._cancel(request_id)
+
+    def _cancel(self, request_id: str) -> None:
+        pb = self.pb
+        started = time.monotonic()
+        control = pb.InferenceRequest(
+            model_name=self.llm,
+            inputs=[pb.Tensor(INPUT_IDS.name, np.zeros(0, dtype=np.int64)),
+                    pb.Tensor("cancel", np.array([request_id.encode()], dtype=np.object_))],
+            requested_output_names=[],
+        )
+        try:
+            for _ in control.exec(decoupled=True):
+                pass
+        except Exception:  # noqa: BLE001 - the request then runs to its end; nothing else breaks
+            logger.exception("cancelling %s on %s", request_id, self.llm)
+        logger.info("cancelled %s on %s in %.3f s", request_id, self.llm, time.monotonic() - started)
+
+    def shutdown(self) -> None:
+        self._stopping.set()

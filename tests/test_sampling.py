@@ -1,0 +1,217 @@
+"""``mmserve.serving.sampling``: strict ``sampling_parameters`` parsing and the engine-transport guard.
+
+No engine: the guard is checked against vLLM's own msgpack codec, the one the engine core uses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import msgspec
+import pytest
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+from mmserve.errors import InputError
+from mmserve.serving.sampling import SUPPORTED, check_engine_transport, parse_sampling_parameters
+
+
+def parse(params: object, *, stream: bool = False, logprobs: bool = False) -> SamplingParams:
+    text = params if isinstance(params, str) else json.dumps(params)
+    return parse_sampling_parameters(text, stream=stream, logprobs=logprobs)
+
+
+BAD = [
+    # the document
+    ("{", "invalid JSON"),
+    ("[" * 100_000, "invalid JSON"),
+    ('{"seed": ' + "9" * 5000 + "}", "invalid JSON"),
+    ("[1]", "expected a JSON object, found list"),
+    ('"max_tokens"', "expected a JSON object, found str"),
+    ({"bogus": 1}, r"unknown parameter(s) ['bogus']"),
+    ({"zeta": 1, "alpha": 2, "top_p": 0.5}, r"unknown parameter(s) ['alpha', 'zeta']"),
+    # real SamplingParams fields this server refuses
+    ({"structured_outputs": {"regex": "a+"}},
+     "parameter(s) ['structured_outputs'] not supported by this server"),
+    ({"extra_args": {"a": 1}}, "parameter(s) ['extra_args'] not supported by this server"),
+    ({"output_kind": 0}, "parameter(s) ['output_kind'] not supported by this server"),
+    ({"_eos_token_id": 2}, "parameter(s) ['_eos_token_id'] not supported by this server"),
+    ({"detokenize": False, "prompt_logprobs": 1},
+     "parameter(s) ['detokenize', 'prompt_logprobs'] not supported by this server"),
+    ({"thinking_token_budget": 5}, "['thinking_token_budget'] not supported"),
+    # ints
+    ({"max_tokens": "many"}, "max_tokens: expected int, found 'many'"),
+    ({"max_tokens": 16.5}, "max_tokens: expected int, found 16.5"),
+    ({"max_tokens": "16.5"}, "max_tokens: expected int, found '16.5'"),
+    ({"max_tokens": True}, "max_tokens: expected int, found true"),
+    ({"max_tokens": [16]}, "max_tokens: expected int, found a list of 1 item(s)"),
+    ({"max_tokens": {"v": 16}}, "max_tokens: expected int, found an object"),
+    ({"max_tokens": 0}, "max_tokens: expected int in [1, 2147483647], found 0"),
+    ({"max_tokens": 2**31}, "max_tokens: expected int in [1, 2147483647], found 2147483648"),
+    ({"max_tokens": "1e400"}, "max_tokens: expected int, found '1e400'"),
+    ({"min_tokens": -1}, "min_tokens: expected int in [0, 2147483647], found -1"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens must be less than or equal to max_tokens=10"),
+    ({"top_k": -2}, "top_k: expected int in [-1, 2147483647], found -2"),
+    ({"top_k": 2.5}, "top_k: expected int, found 2.5"),
+    ({"seed": 2**70}, "seed: expected int in [0, 9223372036854775807], found 1180591620717411303424"),
+    ({"seed": 2**63}, "seed: expected int in [0, 9223372036854775807]"),
+    ({"seed": -1}, "seed: expected int in [0, 9223372036854775807], found -1"),
+    ({"logprobs": -2}, "logprobs: expected int in [-1, 2147483647], found -2"),
+    ({"logprobs": False}, "logprobs: expected int, found false"),
+    ({"n": 2}, "n: only 1 completion per request is served, found 2"),
+    ({"n": "2"}, "only 1 completion"),
+    ({"n": None}, "n: expected int, found null"),
+    # floats
+    ('{"temperature": NaN}', "temperature: expected a finite float, found NaN"),
+    ('{"top_p": Infinity}', "top_p: expected a finite float, found Infinity"),
+    ({"temperature": "nan"}, "temperature: expected float, found 'nan'"),
+    ({"temperature": "1e999"}, "temperature: expected a finite float, found '1e999'"),
+    ({"temperature": 10**400}, "temperature: expected a finite float"),
+    ({"temperature": True}, "temperature: expected float, found true"),
+    ({"temperature": None}, "temperature: expected float, found null"),
+    ({"temperature": -1}, "sampling_parameters: temperature must be non-negative"),
+    ({"top_p": 2}, "top_p must be in (0, 1]"),
+    ({"presence_penalty": 3}, "presence_penalty must be in [-2, 2]"),
+    ({"min_p": "1.5"}, "min_p must be in [0, 1]"),
+    # bools
+    ({"ignore_eos": 1}, 'ignore_eos: expected bool (true, false, "true", "false", "1" or "0"), found 1'),
+    ({"ignore_eos": 0}, "ignore_eos: expected bool"),
+    ({"ignore_eos": "abc"},
+     """ignore_eos: expected bool (true, false, "true", "false", "1" or "0"), found 'abc'"""),
+    ({"ignore_eos": "yes"}, "ignore_eos: expected bool"),
+    ({"skip_special_tokens": None}, "skip_special_tokens: expected bool"),
+    # stop, bad_words
+    ({"stop": 5}, "stop: expected a string or a list of at most 32 strings, found 5"),
+    ({"stop": [1]}, "stop[0]: expected a non-empty string of at most 256 characters, found 1"),
+    ({"stop": ["a", ""]}, "stop[1]: expected a non-empty string"),
+    ({"stop": ""}, "stop: expected a non-empty string"),
+    ({"stop": ["x"] * 33},
+     "stop: expected a string or a list of at most 32 strings, found a list of 33 item(s)"),
+    ({"stop": "y" * 257}, "stop: expected a non-empty string of at most 256 characters"),
+    ({"stop": "\ud800"}, "stop: expected a non-empty string of at most 256 characters of valid Unicode"),
+    ({"bad_words": "word"}, "bad_words: expected a list of at most 128 strings, found 'word'"),
+    ({"bad_words": [None]}, "bad_words[0]: expected a non-empty string"),
+    # token id lists
+    ({"stop_token_ids": 5}, "stop_token_ids: expected a list of at most 256 token ids, found 5"),
+    ({"stop_token_ids": [1, -3]}, "stop_token_ids[1]: expected int in [0, 2147483647], found -3"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids[0]: expected int in [0, 2147483647]"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids[0]: expected int, found 'a'"),
+    ({"allowed_token_ids": []}, "allowed_token_ids: expected a non-empty list of at most 16384 token ids"),
+    ({"allowed_token_ids": [1.5]}, "allowed_token_ids[0]: expected int, found 1.5"),
+    # logit_bias
+    ({"logit_bias": {"x": 1}},
+     "logit_bias: expected token id keys (integer strings in [0, 2147483647]), found 'x'"),
+    ({"logit_bias": {"-5": 1}}, "logit_bias: expected token id keys"),
+    ({"logit_bias": {"99999999999": 1}}, "logit_bias: expected token id keys"),
+    ({"logit_bias": {"5": 1e9}}, "logit_bias['5']: expected float in [-100, 100], found 1000000000.0"),
+    ({"logit_bias": {"5": "much"}}, "logit_bias['5']: expected float, found 'much'"),
+    ('{"logit_bias": {"5": NaN}}', "logit_bias['5']: expected a finite float, found NaN"),
+    ({"logit_bias": [[5, 1.0]]}, "logit_bias: expected an object of at most 16384 token id -> bias entries"),
+]
+
+
+@pytest.mark.parametrize(("params", "message"), BAD, ids=[f"bad{i}" for i in range(len(BAD))])
+def test_rejects(params: object, message: str) -> None:
+    with pytest.raises(InputError, match=re.escape(message)) as info:
+        parse(params)
+    assert str(info.value).startswith("sampling_parameters: ")
+
+
+GOOD = [
+    (None, {"max_tokens": 16, "temperature": 1.0, "logprobs": None, "stop": [], "seed": None}),
+    ("", {"max_tokens": 16}),
+    ({}, {"max_tokens": 16}),
+    ({"max_tokens": 16.0}, {"max_tokens": 16}),
+    ({"max_tokens": "7", "temperature": "0.5", "ignore_eos": "true"},
+     {"max_tokens": 7, "temperature": 0.5, "ignore_eos": True}),
+    ({"max_tokens": " 12 ", "top_k": "-1", "min_tokens": "2.0"},
+     {"max_tokens": 12, "top_k": -1, "min_tokens": 2}),
+    ({"max_tokens": 2**31 - 1}, {"max_tokens": 2**31 - 1}),
+    ({"max_tokens": None, "seed": None, "stop": None, "logit_bias": None}, {"max_tokens": 16, "seed": None}),
+    ({"seed": 0}, {"seed": 0}),
+    ({"seed": 2**63 - 1}, {"seed": 2**63 - 1}),
+    ({"seed": "42"}, {"seed": 42}),
+    ({"n": 1.0}, {"n": 1}),
+    ({"temperature": 0}, {"temperature": 0.0}),
+    ({"temperature": 1, "top_p": "1", "min_p": 0.1}, {"temperature": 1.0, "top_p": 1.0, "min_p": 0.1}),
+    ({"repetition_penalty": "1.1e0", "presence_penalty": -2, "frequency_penalty": 2.0},
+     {"repetition_penalty": 1.1, "presence_penalty": -2.0, "frequency_penalty": 2.0}),
+    ({"ignore_eos": False, "skip_special_tokens": "FALSE", "spaces_between_special_tokens": "0",
+      "include_stop_str_in_output": "1"},
+     {"ignore_eos": False, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+      "include_stop_str_in_output": True}),
+    ({"stop": "END"}, {"stop": ["END"]}),
+    ({"stop": ["a", "bc"]}, {"stop": ["a", "bc"]}),
+    ({"stop_token_ids": [2, "3", 4.0, 2]}, {"stop_token_ids": [2, 3, 4]}),
+    ({"bad_words": ["x", "y"]}, {"bad_words": ["x", "y"]}),
+    ({"allowed_token_ids": [0, 1, 2]}, {"allowed_token_ids": [0, 1, 2]}),
+    ({"logit_bias": {"5": 2.5}}, {"logit_bias": {5: 2.5}}),
+    ({"logit_bias": {"0": -100, "7": "100"}}, {"logit_bias": {0: -100.0, 7: 100.0}}),
+    ({"logprobs": 3}, {"logprobs": 3}),
+    ({"logprobs": -1}, {"logprobs": -1}),
+]
+
+
+@pytest.mark.parametrize(("params", "expected"), GOOD, ids=[f"good{i}" for i in range(len(GOOD))])
+def test_accepts(params: object, expected: dict[str, object]) -> None:
+    result = parse_sampling_parameters(None if params is None else params if isinstance(params, str)
+                                       else json.dumps(params), stream=False, logprobs=False)
+    for name, value in expected.items():
+        got = getattr(result, name)
+        assert got == value and type(got) is type(value), (name, got, value)
+    assert result.output_kind == RequestOutputKind.FINAL_ONLY
+
+
+def test_stream_and_logprobs_flags() -> None:
+    assert parse({}, stream=True).output_kind == RequestOutputKind.DELTA
+    assert parse({}, logprobs=True).logprobs == 1
+    assert parse({"logprobs": 5}, logprobs=True).logprobs == 5
+    assert parse({"logprobs": None}, logprobs=True).logprobs == 1
+    assert parse({}).logprobs is None
+
+
+def test_table_covers_only_real_fields() -> None:
+    assert set(SUPPORTED) <= set(SamplingParams.__struct_fields__)
+
+
+# -- the guard -----------------------------------------------------------------------------------
+# SamplingParams built directly, bypassing the parser: vLLM's constructor accepts every one of them,
+# and each would have ended the engine core's input thread (msgspec decode of EngineCoreRequest).
+WEDGING = [
+    ({"max_tokens": 16.0}, "Expected `int | null`, got `float` - at `$.max_tokens`"),
+    ({"max_tokens": True}, "Expected `int | null`, got `bool` - at `$.max_tokens`"),
+    ({"ignore_eos": 1}, "Expected `bool`, got `int` - at `$.ignore_eos`"),
+    ({"logit_bias": {"5": 1.0}}, "Expected `int`, got `str` - at `key` in `$.logit_bias`"),
+]
+
+
+def _engine_request(params: SamplingParams) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id="r", prompt_token_ids=[1, 2], mm_features=None,
+                             sampling_params=params, pooling_params=None, arrival_time=0.0,
+                             lora_request=None, cache_salt=None, data_parallel_rank=None)
+
+
+@pytest.mark.parametrize(("kwargs", "detail"), WEDGING, ids=[f"wedging{i}" for i in range(len(WEDGING))])
+def test_guard_rejects_what_the_engine_core_cannot_decode(kwargs: dict[str, object], detail: str) -> None:
+    params = SamplingParams(**kwargs)  # vLLM's constructor lets it through
+    # What the engine core's input thread does with it (EngineCoreProc.process_input_sockets):
+    with pytest.raises(msgspec.ValidationError):
+        MsgpackDecoder(EngineCoreRequest).decode(MsgpackEncoder().encode(_engine_request(params)))
+    with pytest.raises(InputError, match=re.escape(
+            f"sampling_parameters: rejected by the engine's request decoder: {detail}")):
+        check_engine_transport(params)
+
+
+def test_guard_rejects_what_the_front_end_cannot_encode() -> None:
+    with pytest.raises(InputError, match="rejected by the engine's request encoder: can't serialize ints"):
+        check_engine_transport(SamplingParams(seed=2**70))
+
+
+def test_guard_passes_what_the_engine_core_decodes() -> None:
+    params = parse({"max_tokens": 8, "stop": ["x"], "logit_bias": {"5": 1}, "seed": 3, "top_k": 4})
+    check_engine_transport(params)
+    decoded = MsgpackDecoder(EngineCoreRequest).decode(MsgpackEncoder().encode(_engine_request(params)))
+    assert decoded.sampling_params.logit_bias == {5: 1.0} and decoded.sampling_params.max_tokens == 8
