@@ -41,7 +41,7 @@ class Case:
     output: str | None = None
 
 
-def _case(name: str, parts: list[str], seed: int) -> Case:
+def make_case(name: str, parts: list[str], seed: int) -> Case:
     from mmserve.samples import encode_audio, encode_image, sample_audio, sample_image
 
     images = [encode_image(sample_image(seed + i, size=(112 + 28 * (i % 2), 84))) for i, p in enumerate(parts) if p == "image"]
@@ -49,7 +49,7 @@ def _case(name: str, parts: list[str], seed: int) -> Case:
     return Case(name, ["Describe it.", "What is this?", "Say more."][seed % 3], images, audios)
 
 
-WORKLOAD = [_case(name, parts, seed) for seed in range(4) for name, parts in CASES.items()]  # 20 requests
+WORKLOAD = [make_case(name, parts, seed) for seed in range(4) for name, parts in CASES.items()]  # 20 requests
 BY_NAME = {f"{c.name}#{i // len(CASES)}": c for i, c in enumerate(WORKLOAD)}
 
 

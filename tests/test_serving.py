@@ -66,7 +66,8 @@ def test_preprocess_errors_name_the_input_and_item(preprocessor, call, message):
 def test_sampling_parameters():
     from vllm.sampling_params import RequestOutputKind
 
-    from mmserve.serving.llm import RequestError, parse_sampling_parameters
+    from mmserve.errors import InputError
+    from mmserve.serving.sampling import parse_sampling_parameters
 
     params = parse_sampling_parameters('{"max_tokens": "7", "temperature": "0.5", "ignore_eos": "true"}',
                                        stream=True, logprobs=False)
@@ -77,7 +78,7 @@ def test_sampling_parameters():
                           ('{"bogus": 1}', r"unknown parameter\(s\) \['bogus'\]"),
                           ('{"max_tokens": "many"}', "max_tokens: expected int, found 'many'"),
                           ('{"top_p": 2}', "top_p"), ('{"n": 2}', "only 1 completion")]:
-        with pytest.raises(RequestError, match=message):
+        with pytest.raises(InputError, match=message):
             parse_sampling_parameters(text, stream=False, logprobs=False)
 
 
@@ -146,3 +147,10 @@ def test_model_repository_configs_follow_the_tensor_contract():
     assert set(first.output_map) == set(contract)
     assert dict(second.output_map) == {t.name: t.name for t in llm.output}
     assert _signature(ensemble.output) == _signature(llm.output)
+
+    # mm_pipeline takes and gives exactly what mm_ensemble does.
+    pipeline = _model_config("mm_pipeline")
+    assert [(t.name, t.data_type, list(t.dims), t.optional) for t in pipeline.input] == \
+        [(t.name, t.data_type, list(t.dims), t.optional) for t in ensemble.input]
+    assert _signature(pipeline.output) == _signature(ensemble.output)
+    assert pipeline.model_transaction_policy.decoupled

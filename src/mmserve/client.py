@@ -25,6 +25,7 @@ import base64
 import json
 import mimetypes
 import queue
+import re
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -66,10 +67,14 @@ class ClientError(RuntimeError):
 _TRITON_UNAVAILABLE = ("has no available versions", "is not ready", "Server is stopping")
 
 
+_TAG = re.compile(r"\[(INVALID_ARG|UNAVAILABLE|CANCELLED|INTERNAL)\] ")
+
+
 def error_code(message: str) -> str | None:
     """The class of a server error message (see ``ClientError``)."""
-    if message.startswith("[") and "]" in message:
-        return message[1:message.index("]")]
+    tag = _TAG.search(message)
+    if tag:
+        return tag.group(1)
     if any(marker in message for marker in _TRITON_UNAVAILABLE):
         return "UNAVAILABLE"
     return None

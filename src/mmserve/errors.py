@@ -94,7 +94,8 @@ class ProcessedInputError(InputError, VLLMValidationError):
         message = f"{where}: expected {expected}, found {found}"
         if hint:
             message += f" ({hint})"
-        super().__init__(message)
+        VLLMValidationError.__init__(self, message, parameter=field)
+        self.parameter = None  # the message names the field already; don't append it again
 
 
 # A path of two or more components (``/usr/lib/x.py``, ``/work/models/m``): never shown to a client.

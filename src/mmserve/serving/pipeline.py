@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from mmserve.errors import InternalError, UnavailableError
+from mmserve.errors import InputError, InternalError, ServiceError, UnavailableError
 from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
-from mmserve.serving.triton import error_response, tagged_message
+from mmserve.serving.triton import TAG, error_response, triton_error
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ class Pipeline:
         request_id = uuid.uuid4().hex
         try:
             given = {name: pb.get_input_tensor_by_name(request, name) for name in (*PREPROCESS_INPUTS, *LLM_INPUTS)}
+            if given["text_input"] is None:  # not every Triton frontend checks required inputs
+                raise InputError("text_input: required (BYTES [1], the prompt)")
             processed = pb.InferenceRequest(
                 model_name=self.preprocess,
                 inputs=[given[n] for n in PREPROCESS_INPUTS if given[n] is not None],
@@ -92,17 +94,20 @@ class Pipeline:
 
     def _error(self, error: Any, model: str) -> Any:
         """An error of a called model, as the client gets it: the models' own errors carry their
-        ``[CODE]`` tag already; Triton's (model not loaded, ...) are classified here."""
+        ``[CODE]`` tag already; Triton's own (a model not loaded, an input that fails the model's
+        config) are classified here by their code."""
         message = error.message()
-        if message.startswith("["):
+        if TAG.search(message):
             return error
-        if "unknown model" in message or "not ready" in message or "no available versions" in message:
+        code = error.code()
+        if code == self.pb.TritonError.INVALID_ARG:
+            failure: ServiceError = InputError(message)
+        elif code in (self.pb.TritonError.UNAVAILABLE, self.pb.TritonError.NOT_FOUND) or "unknown model" in message:
             failure = UnavailableError(f"{model} is not available (restarting?); retry shortly")
         else:
             logger.error("%s answered: %s", model, message)
             failure = InternalError(f"{model} failed; the server log has the detail")
-        return self.pb.TritonError(tagged_message(failure.triton_code, str(failure)),
-                                   getattr(self.pb.TritonError, failure.triton_code))
+        return triton_error(self.pb, failure)
 
     def _watch_cancellations(self) -> None:
         cancelled: set[str] = set()

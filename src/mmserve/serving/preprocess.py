@@ -210,7 +210,8 @@ def _declared_size(payload: bytes) -> tuple[int, int] | None:
     Image.init()
     for name in IMAGE_FORMATS:
         factory, accept = Image.OPEN.get(name, (None, None))
-        if factory is not None and (accept is None or accept(payload[:16]) is True):
+        accepted = accept is None or accept(payload[:16])  # a str: "yes, but can't open it"
+        if factory is not None and accepted and not isinstance(accepted, str):
             try:
                 with factory(io.BytesIO(payload), "") as image:
                     return image.size
@@ -559,9 +560,7 @@ class Preprocessor:
     def _payload(what: str, data: bytes | str) -> bytes:
         try:
             return payload_bytes(data)
-        except ValueError as exc:
-            raise PreprocessError(f"{what}: {exc}") from None
-        except TypeError as exc:
+        except (ValueError, TypeError) as exc:
             raise PreprocessError(f"{what}: {exc}") from None
 
     # -- the processor -------------------------------------------------------------------------

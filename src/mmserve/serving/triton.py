@@ -13,6 +13,7 @@ client; ``mmserve.client`` turns it back into an exception class.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,10 @@ import numpy as np
 from mmserve.errors import public_error
 
 logger = logging.getLogger(__name__)
+
+
+TAG = re.compile(r"\[(INVALID_ARG|UNAVAILABLE|CANCELLED|INTERNAL)\] ")
+"""The tag in a message; not always at its start (Triton's ensemble prefixes "in ensemble '...', ")."""
 
 
 def tagged_message(code: str, message: str) -> str:
