@@ -116,6 +116,14 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> None:
     lock = threading.Lock()
 
     def one(index: int) -> None:
+        try:
+            outcome = attempt(index)
+        except Exception as exc:  # noqa: BLE001 - counted: a soak reports, it doesn't stop
+            outcome = f"{plan[index]}: EXCEPTION {type(exc).__name__}: {str(exc)[:80]}"
+        with lock:
+            outcomes[outcome] += 1
+
+    def attempt(index: int) -> str:
         kind = plan[index]
         local = random.Random(args.seed * 1_000_003 + index)
         started = time.monotonic()
@@ -129,7 +137,7 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> None:
                     with lock:
                         mismatches.append(f"#{index} pool {k} ({case.name}): {ids} != {references[k]}")
             except ClientError as exc:
-                outcome = f"good: ERROR {exc.code}"
+                outcome = f"good: ERROR {exc.code} {str(exc)[:80]}"
             with lock:
                 latencies.append(time.monotonic() - started)
         elif kind == "cancel":
@@ -151,9 +159,8 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> None:
                 live.grpc_stream(live.Endpoints(url, None, None), args.entry, case.request.tensors())
                 outcome = "bad: ACCEPTED"
             except ClientError as exc:
-                outcome = f"bad: {exc.code}"
-        with lock:
-            outcomes[outcome] += 1
+                outcome = f"bad: {exc.code}" if exc.code else f"bad: untagged {str(exc)[:80]}"
+        return outcome
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(args.concurrency) as pool_executor:

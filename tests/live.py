@@ -117,6 +117,7 @@ def grpc_stream(server: Endpoints, model: str, tensors: dict[str, np.ndarray], t
     Raises ``mmserve.client.ClientError`` with the server's message on an error response.
     """
     import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
 
     from mmserve.client import ClientError
 
@@ -125,7 +126,10 @@ def grpc_stream(server: Endpoints, model: str, tensors: dict[str, np.ndarray], t
     grpc.start_stream(callback=lambda result, error: answers.put((result, error)))
     results = []
     try:
-        grpc.async_stream_infer(model, grpc_inputs(tensors), enable_empty_final_response=True)
+        try:
+            grpc.async_stream_infer(model, grpc_inputs(tensors), enable_empty_final_response=True)
+        except InferenceServerException as exc:  # the stream broke first: its callback has why
+            answers.put((None, exc))
         while True:
             result, error = answers.get(timeout=timeout)
             if error is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import threading
 import time
@@ -90,9 +91,11 @@ def test_engine_killed_detect_unavailable_heal(own_server, references):
 
 def test_engine_wedged_detect_unavailable_heal(own_server, references):
     """A stopped engine core answers nothing: the watcher sees no progress for the stall timeout."""
-    from mmserve.serving.llm import HealthConfig
+    from conftest import ROOT
 
-    _fault_and_heal(own_server, references, signal.SIGSTOP, HealthConfig.stall_timeout_s + DETECT_S)
+    config = (ROOT / "model_repository" / "mm_llm" / "config.pbtxt").read_text()
+    stall = float(re.search(r'key: "engine_stall_timeout_s", value: \{ string_value: "([\d.]+)"', config).group(1))
+    _fault_and_heal(own_server, references, signal.SIGSTOP, stall + 2 * DETECT_S)
 
 
 def test_clean_stop_after_faults(own_server):

@@ -37,8 +37,8 @@ class RecordingSink:
         if final:
             self.closed.set()
 
-    def send_error(self, message, *, client_error):
-        self.errors.append((message, client_error))
+    def send_error(self, error):
+        self.errors.append(error)
         self.closed.set()
 
     def send_final(self):
@@ -132,8 +132,45 @@ def test_bad_request_gets_a_client_error(service, omni_workload):
     parsed.prompt["multi_modal_data"]["image"]["image_grid_thw"] = grid * 2
     sink = RecordingSink()
     _run(service, parsed, sink, "bad-1")
-    [(message, client_error)] = sink.errors
-    assert client_error and "image, pixel_values: expected" in message
+    [error] = sink.errors
+    assert error.triton_code == "INVALID_ARG" and "image, pixel_values: expected" in str(error)
     good = RecordingSink()
     _run(service, _request(service, request, stream=False, max_tokens=len(reference)), good, "good-1")
     assert good.output_ids() == reference
+
+
+def test_a_failed_engine_fails_every_request_unavailable_and_is_killed(service, omni_workload):
+    """Last in this module: it kills the module's engine. A failure (what the watcher calls on a
+    dead or wedged engine) answers the request in flight and every later one UNAVAILABLE, kills the
+    engine's processes, removes their shared memory, and asks for a reload once."""
+    import psutil
+
+    from mmserve.serving.llm import LLMService
+
+    request, _ = next((r, t) for r, t in omni_workload if r.name == "text_only#0")
+    failures: list[str] = []
+    failing = LLMService(service.runner, on_failure=failures.append)
+    processes = [psutil.Process(pid) for pid in service.runner.core_pids()]
+    processes += [child for p in processes for child in p.children(recursive=True)]
+    shm = set(service.runner._shm_files)
+    assert processes and shm
+    in_flight = RecordingSink()
+    failing.submit(_request(service, request, stream=True, max_tokens=1500, ignore_eos=True), in_flight, "doomed")
+    assert wait_for_responses(in_flight, 3)
+    failing.fail("injected for the test")
+    assert in_flight.closed.wait(30)
+    assert [e.triton_code for e in in_flight.errors] == ["UNAVAILABLE"]
+    assert "injected for the test" in str(in_flight.errors[0])
+    late = RecordingSink()
+    failing.submit(_request(service, request, stream=False, max_tokens=4), late, "late")
+    assert [e.triton_code for e in late.errors] == ["UNAVAILABLE"]
+    assert failures == ["injected for the test"]
+    assert not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [path for path in shm if path.exists()]
+
+
+def wait_for_responses(sink: RecordingSink, count: int, timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while len(sink.responses) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(sink.responses) >= count

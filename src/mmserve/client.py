@@ -176,7 +176,7 @@ class MMClient:
     # -- gRPC: bidirectional streaming (the model is decoupled) -----------------------------------
     def _grpc(self, text, images, audios, params, flags, apply_chat_template) -> Iterator[Result]:
         import tritonclient.grpc as grpcclient
-        from tritonclient.utils import np_to_triton_dtype
+        from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
         tensors = self._tensors(text, images, audios, apply_chat_template)
         tensors["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=np.object_)
@@ -192,12 +192,19 @@ class MMClient:
         client = grpcclient.InferenceServerClient(self.url)
         try:
             client.start_stream(callback=lambda result, error: responses.put((result, error)))
-            client.async_stream_infer(LLM if self.direct else self.entry, inputs,
-                                      request_id=uuid.uuid4().hex, enable_empty_final_response=True)
+            try:
+                client.async_stream_infer(LLM if self.direct else self.entry, inputs,
+                                          request_id=uuid.uuid4().hex, enable_empty_final_response=True)
+            except InferenceServerException as exc:  # the stream broke first: its callback has why
+                try:
+                    _, cause = responses.get(timeout=5)
+                except queue.Empty:
+                    cause = exc
+                raise ClientError(_message(cause)) from None
             while True:
                 result, error = responses.get()
                 if error is not None:
-                    raise ClientError(str(error))
+                    raise ClientError(_message(error))
                 response = result.get_response()
                 final = response.parameters["triton_final_response"].bool_param
                 if response.outputs:
@@ -233,6 +240,12 @@ class MMClient:
                 if "error" in event:
                     raise ClientError(event["error"])
                 yield _result_from_json(event)
+
+
+def _message(error: Any) -> str:
+    """The server's message of a tritonclient error (its str() adds a status prefix, or none)."""
+    message = getattr(error, "message", None)
+    return message() if callable(message) else str(error)
 
 
 def _http_error(reply: Any) -> str:

@@ -12,8 +12,6 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
-import os
-import signal
 import threading
 from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
@@ -48,7 +46,7 @@ class EngineRunner:
         self.engine_args = engine_kwargs(model, **overrides)
         self._stat_loggers = stat_loggers
         self._ids = itertools.count()
-        self._core_pids_at_close: list[int] = []
+        self._processes: list[Any] = []  # psutil.Process of the core(s) and workers
         self._shm_files: set[Path] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mmserve-engine", daemon=True)
@@ -58,7 +56,7 @@ class EngineRunner:
         except BaseException:
             self._stop_loop()
             raise
-        self._shm_files = self._mapped_shm()
+        self._record_processes()
 
     async def _create(self) -> AsyncLLM:
         args = AsyncEngineArgs(**self.engine_args)
@@ -81,26 +79,35 @@ class EngineRunner:
         manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)
         return [p.pid for p in getattr(manager, "processes", []) if p.pid is not None and p.is_alive()]
 
-    def _mapped_shm(self) -> set[Path]:
-        """/dev/shm files the engine's processes (core and workers) have mapped."""
+    def _record_processes(self) -> None:
+        """Remember the engine's processes (core and workers) and the /dev/shm files they map, once
+        it runs: a core that dies leaves orphaned workers (which hold the weights) and shared memory
+        behind, which ``kill`` and ``shutdown`` then remove."""
         import psutil
 
-        pids = set(self.core_pids())
-        for pid in list(pids):
+        processes: list[psutil.Process] = []
+        for pid in self.core_pids():
             with contextlib.suppress(psutil.Error):
-                pids.update(child.pid for child in psutil.Process(pid).children(recursive=True))
-        found: set[Path] = set()
-        for pid in pids:
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
-                found.update(Path(line.split()[-1]) for line in maps if " /dev/shm/" in line)
-        return found
+                core = psutil.Process(pid)
+                processes += [core, *core.children(recursive=True)]
+        self._processes = processes
+        self._shm_files = set()
+        for process in processes:
+            with contextlib.suppress(OSError), open(f"/proc/{process.pid}/maps") as maps:
+                self._shm_files.update(Path(line.split()[-1]) for line in maps if " /dev/shm/" in line)
+
+    def kill_processes(self) -> None:
+        """SIGKILL the engine's processes (a wedged or stopped process ignores polite requests)."""
+        import psutil
+
+        for process in self._processes:
+            with contextlib.suppress(psutil.Error):  # gone already (or its pid reused: is_running checks)
+                if process.is_running():
+                    process.kill()
 
     def kill(self) -> None:
-        """Stop a failed engine at once: SIGKILL its core process(es) (a wedged or stopped process
-        ignores polite requests), then shut the rest down."""
-        for pid in self.core_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        """Stop a failed engine at once: kill its processes, then shut the rest down."""
+        self.kill_processes()
         try:
             self.shutdown()
         except Exception:  # noqa: BLE001 - the engine is being discarded; log and move on
@@ -152,10 +159,8 @@ class EngineRunner:
             try:
                 self.submit(self._close()).result(timeout=timeout)
             except concurrent.futures.TimeoutError:
-                logger.error("the engine did not stop within %.0f s; killing its core process", timeout)
-        for pid in self._core_pids_at_close:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+                logger.error("the engine did not stop within %.0f s; killing its processes", timeout)
+        self.kill_processes()  # what vLLM's shutdown left (none, normally)
         self._stop_loop()
         self._remove_shm()
 
@@ -168,7 +173,6 @@ class EngineRunner:
 
     async def _close(self) -> None:
         # On the loop, so the engine's output handler is cancelled before its core goes away.
-        self._core_pids_at_close = self.core_pids()
         engine, self.engine = self.engine, None  # type: ignore[assignment]
         # vLLM waits this long for its processes before it kills them (its default, 5 s, is most of
         # a 15-s stop budget); what they leave in /dev/shm is removed by shutdown().

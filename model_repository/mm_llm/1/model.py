@@ -22,6 +22,7 @@ import functools
 import json
 import logging
 import os
+import threading
 
 import triton_python_backend_utils as pb_utils
 
@@ -34,23 +35,37 @@ logger = logging.getLogger("mm_llm")
 
 
 class _Sink:
-    """One request's response sender, as mmserve.serving.llm.ResponseSink."""
+    """One request's response sender, as mmserve.serving.llm.ResponseSink. Never asks Triton about
+    cancellation once the final response is sent (Triton 2.51 crashes: mmserve.serving.pipeline)."""
 
     def __init__(self, request):
         self._sender = request.get_response_sender()
+        self._lock = threading.Lock()
+        self._finished = False
+
+    def _send(self, response=None, *, final):
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = final
+            if response is None:
+                self._sender.send(flags=_FINAL if final else 0)
+            else:
+                self._sender.send(response, flags=_FINAL if final else 0)
 
     def send(self, outputs, *, final):
         tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
-        self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=_FINAL if final else 0)
+        self._send(pb_utils.InferenceResponse(output_tensors=tensors), final=final)
 
     def send_error(self, error):
-        self._sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error)), flags=_FINAL)
+        self._send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error)), final=True)
 
     def send_final(self):
-        self._sender.send(flags=_FINAL)
+        self._send(final=True)
 
     def is_cancelled(self):
-        return self._sender.is_cancelled()
+        with self._lock:
+            return not self._finished and self._sender.is_cancelled()
 
 
 class TritonPythonModel:

@@ -380,6 +380,7 @@ class LLMService:
             self._failure = reason
             in_flight = list(self._in_flight.values())
         logger.error("engine failed: %s; failing %d request(s) in flight", reason, len(in_flight))
+        self.runner.kill_processes()  # first: a wedged engine may still hold memory (weights) or resume
         for entry in in_flight:
             if entry.future is not None:
                 entry.future.cancel()  # _run answers UNAVAILABLE

@@ -35,6 +35,38 @@ OUTPUTS = ("text_output", "output_ids", "finish_reason", "cumulative_logprob", "
 CANCEL_POLL_S = 0.1
 
 
+class _Client:
+    """The response sender of one client request, safe to poll from another thread.
+
+    Triton 2.51 crashes (SIGSEGV in ``TRITONBACKEND_ResponseFactoryIsCancelled``) when
+    ``is_cancelled()`` is called once the final response is sent, so the final send and every poll
+    hold one lock, and a finished request is never polled.
+    """
+
+    def __init__(self, sender: Any, final_flag: int) -> None:
+        self._sender = sender
+        self._final = final_flag
+        self._lock = threading.Lock()
+        self._finished = False
+
+    def send(self, response: Any) -> None:
+        self._sender.send(response)
+
+    def finish(self, response: Any = None) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            if response is None:
+                self._sender.send(flags=self._final)
+            else:
+                self._sender.send(response, flags=self._final)
+
+    def is_cancelled(self) -> bool:
+        with self._lock:
+            return not self._finished and self._sender.is_cancelled()
+
+
 class Pipeline:
     """Serves ``mm_pipeline`` requests, each on a thread of its own (responses stream from it).
 
@@ -46,19 +78,18 @@ class Pipeline:
     def __init__(self, pb_utils: Any, *, preprocess: str = "preprocess", llm: str = "mm_llm") -> None:
         self.pb = pb_utils
         self.preprocess, self.llm = preprocess, llm
-        self._senders: dict[str, Any] = {}  # BLS request id -> the client's response sender
+        self._clients: dict[str, _Client] = {}  # BLS request id -> the client's request
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch_cancellations, name="mm_pipeline-cancel", daemon=True)
         self._watcher.start()
 
     def submit(self, request: Any) -> None:
-        sender = request.get_response_sender()
-        threading.Thread(target=self._serve, args=(request, sender), name="mm_pipeline-request", daemon=True).start()
+        client = _Client(request.get_response_sender(), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        threading.Thread(target=self._serve, args=(request, client), name="mm_pipeline-request", daemon=True).start()
 
-    def _serve(self, request: Any, sender: Any) -> None:
+    def _serve(self, request: Any, client: _Client) -> None:
         pb = self.pb
-        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         request_id = uuid.uuid4().hex
         try:
             given = {name: pb.get_input_tensor_by_name(request, name) for name in (*PREPROCESS_INPUTS, *LLM_INPUTS)}
@@ -70,27 +101,27 @@ class Pipeline:
                 requested_output_names=[INPUT_IDS.name, *(spec.name for spec in FEATURE_TENSORS)],
             ).exec()
             if processed.has_error():
-                sender.send(pb.InferenceResponse(error=self._error(processed.error(), self.preprocess)), flags=final)
+                client.finish(pb.InferenceResponse(error=self._error(processed.error(), self.preprocess)))
                 return
             inputs = processed.output_tensors() + [given[n] for n in LLM_INPUTS if given[n] is not None]
             with self._lock:
-                self._senders[request_id] = sender
+                self._clients[request_id] = client
             responses = pb.InferenceRequest(
                 model_name=self.llm, inputs=inputs, requested_output_names=list(OUTPUTS), request_id=request_id,
             ).exec(decoupled=True)
             for response in responses:
                 if response.has_error():
-                    sender.send(pb.InferenceResponse(error=self._error(response.error(), self.llm)), flags=final)
+                    client.finish(pb.InferenceResponse(error=self._error(response.error(), self.llm)))
                     return
                 tensors = response.output_tensors()
                 if tensors:
-                    sender.send(pb.InferenceResponse(output_tensors=tensors))
-            sender.send(flags=final)
+                    client.send(pb.InferenceResponse(output_tensors=tensors))
+            client.finish()
         except Exception as exc:  # noqa: BLE001 - answered, the detail logged (error_response)
-            sender.send(error_response(pb, exc, context=f"mm_pipeline {request_id}"), flags=final)
+            client.finish(error_response(pb, exc, context=f"mm_pipeline {request_id}"))
         finally:
             with self._lock:
-                self._senders.pop(request_id, None)
+                self._clients.pop(request_id, None)
 
     def _error(self, error: Any, model: str) -> Any:
         """An error of a called model, as the client gets it: the models' own errors carry their
@@ -113,10 +144,10 @@ class Pipeline:
         cancelled: set[str] = set()
         while not self._stopping.wait(CANCEL_POLL_S):
             with self._lock:
-                senders = list(self._senders.items())
-            cancelled &= {request_id for request_id, _ in senders}
-            for request_id, sender in senders:
-                if request_id not in cancelled and sender.is_cancelled():
+                clients = list(self._clients.items())
+            cancelled &= {request_id for request_id, _ in clients}
+            for request_id, client in clients:
+                if request_id not in cancelled and client.is_cancelled():
                     cancelled.add(request_id)
                     self._cancel(request_id)
 
