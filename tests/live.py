@@ -197,9 +197,9 @@ def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.
     return True
 
 
-def generated_after_cancel(server: Endpoints, model: str, tensors: dict[str, np.ndarray]) -> float:
-    """Stream ``tensors`` to ``model``, cancel once generation runs; the tokens the engine generated
-    for it in all (it stops growing once the engine is idle)."""
+def generated_after_cancel(server: Endpoints, model: str, tensors: dict[str, np.ndarray]) -> tuple[float, float]:
+    """Stream ``tensors`` to ``model``, cancel once generation runs; (tokens generated when the
+    client cancelled, tokens generated in all once the engine is idle)."""
     import tritonclient.grpc as grpcclient
 
     def generated() -> float:
@@ -210,6 +210,7 @@ def generated_after_cancel(server: Endpoints, model: str, tensors: dict[str, np.
     grpc.start_stream(callback=lambda result, error: None)
     grpc.async_stream_infer(model, grpc_inputs(tensors))
     assert wait_for(lambda: generated() > before + 10, 60), "generation did not start"
+    at_cancel = generated() - before
     grpc.stop_stream(cancel_requests=True)
     grpc.close()
     last = [generated()]
@@ -221,7 +222,7 @@ def generated_after_cancel(server: Endpoints, model: str, tensors: dict[str, np.
         return done
 
     assert wait_for(settled, 180)
-    return last[0] - before
+    return at_cancel, last[0] - before
 
 
 def engine_core_pids(server: Endpoints) -> list[int]:

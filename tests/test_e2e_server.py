@@ -167,9 +167,12 @@ def test_cancel_through_the_pipeline_stops_the_engine(server, stream):
         pytest.skip("MMSERVE_TRITON_METRICS_URL not given")
     counts = []
     for _ in range(3):
-        counts.append(generated_after_cancel(server, "mm_pipeline", _long_generation(stream)))
-        if counts[-1] < 3000:
+        at_cancel, total = generated_after_cancel(server, "mm_pipeline", _long_generation(stream))
+        counts.append(total)
+        if total < 3000:
             break
+    print(f"\nmm_pipeline, stream={stream}: cancelled at {at_cancel:.0f} tokens, {total:.0f} generated in all "
+          f"(max_tokens 3000; tries {counts})")
     assert counts[-1] < 1000, f"every try ran to its end ({counts} tokens): the request was not aborted"
 
 
@@ -183,9 +186,11 @@ def test_cancel_reaches_mm_llm_called_directly(server, tiny_models):
     del tensors["text_input"]
     counts = []
     for _ in range(3):
-        counts.append(generated_after_cancel(server, "mm_llm", tensors))
-        if counts[-1] < 3000:
+        at_cancel, total = generated_after_cancel(server, "mm_llm", tensors)
+        counts.append(total)
+        if total < 3000:
             break
+    print(f"\nmm_llm: cancelled at {at_cancel:.0f} tokens, {total:.0f} generated in all (tries {counts})")
     assert counts[-1] < 3000, f"every try ran to its end ({counts} tokens): the request was not aborted"
 
 
