@@ -162,9 +162,20 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> None:
                 outcome = f"bad: {exc.code}" if exc.code else f"bad: untagged {str(exc)[:80]}"
         return outcome
 
+    done = [0]
+    rss_series: list[tuple[int, float]] = [(0, rss_warm)]
+
+    def counted(index: int) -> None:
+        one(index)
+        with lock:
+            done[0] += 1
+            sample = done[0] % max(args.requests // 8, 1) == 0
+        if sample:
+            rss_series.append((done[0], tree_rss(pid)))
+
     t0 = time.monotonic()
     with ThreadPoolExecutor(args.concurrency) as pool_executor:
-        list(pool_executor.map(one, range(args.requests)))
+        list(pool_executor.map(counted, range(args.requests)))
     elapsed = time.monotonic() - t0
     time.sleep(3)  # let cancelled requests drain
     rss_end = tree_rss(pid)
@@ -181,7 +192,8 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> None:
     for line in mismatches[:10]:
         print("  " + line)
     print(f"server RSS (process tree): {rss_warm:.0f} MiB warm -> {rss_end:.0f} MiB after the soak "
-          f"({rss_end - rss_warm:+.0f} MiB)")
+          f"({rss_end - rss_warm:+.0f} MiB); by requests done: "
+          + ", ".join(f"{n}: {rss:.0f}" for n, rss in sorted(rss_series)))
     print(f"/dev/shm while serving: {shm_warm[0]} files {shm_warm[1] / 2**20:.0f} MiB warm -> "
           f"{shm_end[0]} files {shm_end[1] / 2**20:.0f} MiB after")
     unexpected = [o for o in outcomes if o not in ("good: ok", "cancel: sent", "bad: INVALID_ARG")]

@@ -64,7 +64,7 @@ class ClientError(RuntimeError):
         self.code = error_code(message)
 
 
-_TRITON_UNAVAILABLE = ("has no available versions", "is not ready", "Server is stopping")
+_TRITON_UNAVAILABLE = ("has no available versions", "is not ready", "unloading", "Server is stopping")
 
 
 _TAG = re.compile(r"\[(INVALID_ARG|UNAVAILABLE|CANCELLED|INTERNAL)\] ")

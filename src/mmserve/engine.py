@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -96,14 +97,29 @@ class EngineRunner:
             with contextlib.suppress(OSError), open(f"/proc/{process.pid}/maps") as maps:
                 self._shm_files.update(Path(line.split()[-1]) for line in maps if " /dev/shm/" in line)
 
-    def kill_processes(self) -> None:
-        """SIGKILL the engine's processes (a wedged or stopped process ignores polite requests)."""
+    def kill_processes(self, timeout: float = 10.0) -> None:
+        """SIGKILL the engine's processes (a wedged or stopped process ignores polite requests) and
+        wait until they are gone."""
         import psutil
 
+        killed = []
         for process in self._processes:
             with contextlib.suppress(psutil.Error):  # gone already (or its pid reused: is_running checks)
                 if process.is_running():
                     process.kill()
+                    killed.append(process)
+
+        def alive(process: psutil.Process) -> bool:
+            try:
+                return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                return False
+
+        deadline = time.monotonic() + timeout
+        while any(alive(p) for p in killed) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if any(alive(p) for p in killed):
+            logger.error("engine processes still alive after SIGKILL: %s", [p.pid for p in killed if alive(p)])
 
     def kill(self) -> None:
         """Stop a failed engine at once: kill its processes, then shut the rest down."""

@@ -501,7 +501,8 @@ class TritonServer:
         numpy2_compat: patch the Python backend for NumPy 2 (see NUMPY2_COMPAT_PATCH); keep it on.
         exit_timeout_s: the server's ``--exit-timeout-secs``: how long, after SIGINT, it waits for
             in-flight requests and open HTTP connections (a client that keeps its connection open
-            delays the shutdown by this much) before unloading the models.
+            delays the shutdown by this much) and then for the models to unload, all together;
+            short, so that a stop takes at most 15 s in any state (Triton's default is 30).
         die_with_parent: have the kernel SIGKILL the server when this process dies without stopping
             it (via ``setpriv --pdeathsig``; only when started from the main thread). Its stubs then
             exit by themselves; its /dev/shm regions are removed by the next server started here.
@@ -525,7 +526,7 @@ class TritonServer:
         shm_prefix: str | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         numpy2_compat: bool = True,
-        exit_timeout_s: int = 30,
+        exit_timeout_s: int = 12,
         die_with_parent: bool = True,
     ) -> None:
         if isinstance(model_repository, (str, os.PathLike)):
@@ -727,9 +728,9 @@ class TritonServer:
             time.sleep(0.1)
 
     def stop(self, timeout: float | None = None) -> int | None:
-        """Stop the server: SIGINT, wait up to ``timeout`` s (default: exit_timeout_s + 15, the time it
-        may spend on open connections plus time for the models' finalize()), then SIGKILL the whole
-        process group.
+        """Stop the server: SIGINT, wait up to ``timeout`` s (default: exit_timeout_s + 3, the time it
+        may spend on in-flight requests and the models' finalize(), and a little), then SIGKILL the
+        whole process group.
 
         Afterwards no process of the group is left and the server's /dev/shm regions are removed.
         Idempotent. Returns the server's exit code (None if it was never started).
@@ -738,7 +739,7 @@ class TritonServer:
             proc, pgid = self.process, self._pgid
             code = None
             if timeout is None:
-                timeout = self.exit_timeout_s + 15.0
+                timeout = self.exit_timeout_s + 3.0
             # Shared memory of the server's processes (vLLM's engine and workers among them): what a
             # process that is killed, or crashes, can't remove itself is removed below.
             mapped = shm_files_mapped(_group_members(pgid)) if pgid is not None else set()

@@ -33,6 +33,8 @@ LLM_INPUTS = (
 OUTPUTS = ("text_output", "output_ids", "finish_reason", "cumulative_logprob", "logprobs",
            "num_input_tokens", "num_output_tokens")
 CANCEL_POLL_S = 0.1
+TRITON_UNAVAILABLE = ("unknown model", "no available versions", "is not ready", "unloading")
+"""What Triton 2.51 says (with code INTERNAL) of a model that is being unloaded or loaded."""
 
 
 class _Client:
@@ -133,7 +135,8 @@ class Pipeline:
         code = error.code()
         if code == self.pb.TritonError.INVALID_ARG:
             failure: ServiceError = InputError(message)
-        elif code in (self.pb.TritonError.UNAVAILABLE, self.pb.TritonError.NOT_FOUND) or "unknown model" in message:
+        elif code in (self.pb.TritonError.UNAVAILABLE, self.pb.TritonError.NOT_FOUND) or any(
+                marker in message for marker in TRITON_UNAVAILABLE):
             failure = UnavailableError(f"{model} is not available (restarting?); retry shortly")
         else:
             logger.error("%s answered: %s", model, message)
