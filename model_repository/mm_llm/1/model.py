@@ -12,8 +12,8 @@ Outputs: text_output, output_ids, and when asked finish_reason, cumulative_logpr
 Errors : [INVALID_ARG] bad input, [UNAVAILABLE] engine failed or restarting, [INTERNAL] our fault
          (see mmserve.serving.triton).
 Health : a dead or wedged engine fails every request UNAVAILABLE, then the model asks Triton to
-         reload it (and the models named by the `reload_with` parameter): readiness is false until
-         the new engine serves. Needs --model-control-mode=explicit (scripts/serve.sh uses it).
+         unload it (readiness false) and mm_pipeline's keeper loads it back with a new engine
+         (mmserve.serving.keeper). Needs --model-control-mode=explicit (scripts/serve.sh uses it).
 Engine arguments come from model.json beside config.pbtxt; health settings from config.pbtxt
 parameters. The logic lives in mmserve.serving.llm; see docs/tensors.md, docs/RELIABILITY.md.
 """
@@ -79,11 +79,10 @@ class TritonPythonModel:
             stall_timeout_s=float(params.get("engine_stall_timeout_s", HealthConfig.stall_timeout_s)),
         )
         self.model_name = args["model_name"]
-        self.reload_with = [name.strip() for name in params.get("reload_with", "").split(",") if name.strip()]
         config = LLMConfig.from_file(os.path.join(args["model_repository"], "model.json"))
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         stat_logger = functools.partial(TritonStatLogger, metrics=self.metrics, on_record=self._progress)
-        self.service = LLMService.start(config, stat_loggers=[stat_logger], health=health, on_failure=self._reload)
+        self.service = LLMService.start(config, stat_loggers=[stat_logger], health=health, on_failure=self._unload)
         self.family = self.service.family
 
     def _progress(self):
@@ -91,16 +90,14 @@ class TritonPythonModel:
         if service is not None:
             service.note_progress()
 
-    def _reload(self, reason):
-        """Heal: Triton unloads this model (readiness false), then loads it again with a new engine."""
+    def _unload(self, reason):
+        """After an engine failure: Triton unloads this model (readiness false); mm_pipeline's
+        ModelKeeper loads it back with a new engine (mmserve.serving.keeper)."""
         try:
             pb_utils.unload_model(self.model_name)
-            pb_utils.load_model(self.model_name)
-            for name in self.reload_with:
-                pb_utils.load_model(name)
-            logger.warning("reloaded %s after an engine failure (%s)", self.model_name, reason)
+            logger.warning("unloading %s after an engine failure (%s)", self.model_name, reason)
         except Exception as exc:  # noqa: BLE001 - e.g. --model-control-mode none: no self-healing
-            logger.error("could not reload %s (%s): it answers UNAVAILABLE until tritonserver restarts; "
+            logger.error("could not unload %s (%s): it answers UNAVAILABLE until tritonserver restarts; "
                          "self-healing needs --model-control-mode=explicit", self.model_name, exc)
 
     def execute(self, requests):
