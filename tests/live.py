@@ -95,6 +95,7 @@ class Endpoints:
 def client(server: Endpoints, **kwargs: Any):
     from mmserve.client import MMClient
 
+    kwargs.setdefault("timeout", 180)  # a test that waits fails instead of hanging
     return MMClient(server.grpc, **kwargs)
 
 
@@ -230,8 +231,15 @@ def engine_core_pids(server: Endpoints) -> list[int]:
     import psutil
 
     assert server.server is not None
-    return [p.pid for p in psutil.Process(server.server.pid).children(recursive=True)
-            if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()[:1])]
+    pids = []
+    for process in psutil.Process(server.server.pid).children(recursive=True):
+        try:
+            title = " ".join(process.cmdline()[:1])  # vLLM sets it: VLLM::EngineCore
+            if "EngineCore" in title and process.status() != psutil.STATUS_ZOMBIE:
+                pids.append(process.pid)
+        except psutil.Error:  # gone, or a zombie (Triton's auto-complete stubs exit at start)
+            continue
+    return pids
 
 
 def shm_leftovers() -> set[str]:

@@ -104,7 +104,8 @@ def test_clean_stop_after_faults(own_server):
     import psutil
 
     triton = own_server.server
-    group = [p.pid for p in psutil.Process(triton.pid).children(recursive=True)] + [triton.pid]
+    group = [p.pid for p in psutil.Process(triton.pid).children(recursive=True)
+             if p.status() != psutil.STATUS_ZOMBIE] + [triton.pid]
     from mmserve.triton_server import shm_files_mapped
 
     shm = shm_files_mapped(group) | set(triton.shm_files())

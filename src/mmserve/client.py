@@ -100,15 +100,17 @@ class MMClient:
         entry: the model that takes raw requests: ``mm_pipeline`` or ``mm_ensemble``.
         direct: preprocess locally and call ``mm_llm`` (gRPC only); needs ``model``.
         model: local checkpoint directory for ``direct``.
+        timeout: seconds to wait for each response before giving up (``ClientError``).
     """
 
     def __init__(self, url: str, protocol: str = "grpc", *, entry: str = PIPELINE, direct: bool = False,
-                 model: str | Path | None = None):
+                 model: str | Path | None = None, timeout: float = 600.0):
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol must be 'grpc' or 'http', not {protocol!r}")
         if direct and protocol != "grpc":
             raise ValueError("direct mode sends tensors: use protocol='grpc'")
         self.url, self.protocol, self.direct, self.entry = url, protocol, direct, entry
+        self.timeout = timeout
         self._preprocessor = None
         if direct:
             if model is None:
@@ -202,7 +204,10 @@ class MMClient:
                     cause = exc
                 raise ClientError(_message(cause)) from None
             while True:
-                result, error = responses.get()
+                try:
+                    result, error = responses.get(timeout=self.timeout)
+                except queue.Empty:
+                    raise ClientError(f"no response from the server within {self.timeout:.0f} s") from None
                 if error is not None:
                     raise ClientError(_message(error))
                 response = result.get_response()
@@ -227,7 +232,7 @@ class MMClient:
             body["audio"] = [_data_url(m) for m in audios]
         endpoint = "generate_stream" if flags["stream"] else "generate"
         url = f"http://{self.url}/v2/models/{self.entry}/{endpoint}"
-        with requests.post(url, json=body, stream=flags["stream"], timeout=600) as reply:
+        with requests.post(url, json=body, stream=flags["stream"], timeout=self.timeout) as reply:
             if reply.status_code != 200:
                 raise ClientError(_http_error(reply))
             if not flags["stream"]:

@@ -76,5 +76,9 @@ class ModelKeeper:
                 return
         logger.warning("loaded back %s in %.1f s", ", ".join(self.models), time.monotonic() - started)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop, and wait for the thread: a call into Triton still in flight when the stub tears
+        down crashes tritonserver 2.51 (``boost::interprocess::lock_exception``)."""
         self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)

@@ -170,5 +170,8 @@ class Pipeline:
             logger.exception("cancelling %s on %s", request_id, self.llm)
         logger.info("cancelled %s on %s in %.3f s", request_id, self.llm, time.monotonic() - started)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the cancellation watcher and wait for it (no call into Triton may be in flight when
+        the stub tears down: see ModelKeeper.stop)."""
         self._stopping.set()
+        self._watcher.join(timeout)
