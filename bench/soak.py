@@ -73,7 +73,8 @@ def main() -> int:
 
     env = {"MMSERVE_MODEL": str(ROOT / "models" / "qwen2_5_omni"),
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    with TritonServer(ROOT / "model_repository", env=env, shm_default_byte_size=32 * 1024 * 1024) as server:
+    with TritonServer(ROOT / "model_repository", env=env, shm_default_byte_size=32 * 1024 * 1024,
+                      keep_loaded=("mm_llm", "mm_ensemble")) as server:
         print(f"server up: {server.grpc_url} (log {server.log_path})", flush=True)
         run(args, server.grpc_url, server.pid)
         started = time.monotonic()

@@ -33,4 +33,4 @@ hint="Try it:
   $VENV/bin/python client/mm_client.py \"Hello\" --protocol http --url {http} --no-stream"
 exec "$VENV/bin/python" -m mmserve.triton_server --model-repository "$ROOT/model_repository" \
   --http-port "$http" --grpc-port "$grpc" --metrics-port "$metrics" \
-  --shm-default-byte-size $((32 * 1024 * 1024)) --hint "$hint"
+  --shm-default-byte-size $((32 * 1024 * 1024)) --keep-loaded mm_llm,mm_ensemble --hint "$hint"

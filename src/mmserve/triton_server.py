@@ -506,6 +506,9 @@ class TritonServer:
         die_with_parent: have the kernel SIGKILL the server when this process dies without stopping
             it (via ``setpriv --pdeathsig``; only when started from the main thread). Its stubs then
             exit by themselves; its /dev/shm regions are removed by the next server started here.
+        keep_loaded: models a ``mmserve.serving.keeper.ModelKeeper`` loads back once the first of
+            them unloads itself after a fault (``("mm_llm", "mm_ensemble")`` for this project's
+            repository); it runs from the server's readiness until ``stop``.
     """
 
     def __init__(
@@ -528,6 +531,7 @@ class TritonServer:
         numpy2_compat: bool = True,
         exit_timeout_s: int = 12,
         die_with_parent: bool = True,
+        keep_loaded: Sequence[str] = (),
     ) -> None:
         if isinstance(model_repository, (str, os.PathLike)):
             model_repository = [model_repository]
@@ -555,6 +559,8 @@ class TritonServer:
         self.numpy2_compat = numpy2_compat
         self.die_with_parent = die_with_parent
         self.exit_timeout_s = exit_timeout_s
+        self.keep_loaded = list(keep_loaded)
+        self.keeper = None
         self.process: subprocess.Popen[bytes] | None = None
         self._pgid: int | None = None
         self._log_handle = None
@@ -657,6 +663,10 @@ class TritonServer:
             try:
                 self._launch()
                 self._wait_ready(timeout)
+                if self.keep_loaded:
+                    from mmserve.serving.keeper import ModelKeeper
+
+                    self.keeper = ModelKeeper(self.http_url, self.keep_loaded).start()
                 return self
             except TritonServerError as exc:
                 self.stop()
@@ -736,6 +746,9 @@ class TritonServer:
         Idempotent. Returns the server's exit code (None if it was never started).
         """
         with self._stop_lock:
+            if self.keeper is not None:  # first: it would load back what the stop unloads
+                self.keeper.stop()
+                self.keeper = None
             proc, pgid = self.process, self._pgid
             code = None
             if timeout is None:
@@ -848,6 +861,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="explicit (default) lets mm_llm reload itself after an engine failure")
     parser.add_argument("--load-model", action="append", default=None, help="explicit mode; default: all")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    parser.add_argument("--keep-loaded", default="", metavar="MODEL,MODEL",
+                        help="load these back when the first unloads itself after a fault (mmserve.serving.keeper)")
     parser.add_argument("--hint", default="", help="printed once ready; {http} and {grpc} are replaced by the URLs")
     args = parser.parse_args(argv)
 
@@ -862,6 +877,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_control_mode=args.model_control_mode,
         load_models=args.load_model or ("*",),
         shm_default_byte_size=args.shm_default_byte_size,
+        keep_loaded=[name for name in args.keep_loaded.split(",") if name],
     )
 
     def on_sigterm(signum: int, frame: object) -> None:

@@ -12,8 +12,9 @@ Outputs: text_output, output_ids, and when asked finish_reason, cumulative_logpr
 Errors : [INVALID_ARG] bad input, [UNAVAILABLE] engine failed or restarting, [INTERNAL] our fault
          (see mmserve.serving.triton).
 Health : a dead or wedged engine fails every request UNAVAILABLE, then the model asks Triton to
-         unload it (readiness false) and mm_pipeline's keeper loads it back with a new engine
-         (mmserve.serving.keeper). Needs --model-control-mode=explicit (scripts/serve.sh uses it).
+         unload it (readiness false); a keeper beside the server loads it back with a new engine
+         (mmserve.serving.keeper; mmserve.triton_server runs one). Needs
+         --model-control-mode=explicit (scripts/serve.sh uses it).
 Engine arguments come from model.json beside config.pbtxt; health settings from config.pbtxt
 parameters. The logic lives in mmserve.serving.llm; see docs/tensors.md, docs/RELIABILITY.md.
 """
@@ -91,8 +92,8 @@ class TritonPythonModel:
             service.note_progress()
 
     def _unload(self, reason):
-        """After an engine failure: Triton unloads this model (readiness false); mm_pipeline's
-        ModelKeeper loads it back with a new engine (mmserve.serving.keeper)."""
+        """After an engine failure: Triton unloads this model (readiness false); the keeper beside
+        the server loads it back with a new engine (mmserve.serving.keeper)."""
         try:
             pb_utils.unload_model(self.model_name)
             logger.warning("unloading %s after an engine failure (%s)", self.model_name, reason)

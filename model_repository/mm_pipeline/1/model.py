@@ -2,18 +2,14 @@
 cancellation carried to the engine (Triton's ensemble scheduler can't: see mmserve.serving.pipeline).
 
 Inputs and outputs: those of mm_ensemble (docs/tensors.md). Decoupled: streams when `stream` is true.
-It also keeps mm_llm loaded: after an engine failure mm_llm unloads itself (readiness false) and
-this model loads it back (parameter keep_loaded; mmserve.serving.keeper).
-The logic lives in mmserve.serving.pipeline and mmserve.serving.keeper.
+The logic lives in mmserve.serving.pipeline.
 """
 
 import json
 
 import triton_python_backend_utils as pb_utils
 
-from mmserve.serving.keeper import ModelKeeper
 from mmserve.serving.pipeline import Pipeline
-from mmserve.serving.triton import parameters
 
 
 class TritonPythonModel:
@@ -22,8 +18,6 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("mm_pipeline must be decoupled (model_transaction_policy)")
         self.pipeline = Pipeline(pb_utils)
-        keep = [name.strip() for name in parameters(model_config).get("keep_loaded", "").split(",") if name.strip()]
-        self.keeper = ModelKeeper(pb_utils, args["model_name"], keep)
 
     def execute(self, requests):
         for request in requests:
@@ -31,5 +25,4 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
-        self.keeper.stop()
         self.pipeline.shutdown()

@@ -1,55 +1,66 @@
 """Keep models loaded that unload themselves after a fault: what heals ``mm_llm``.
 
 ``mm_llm`` answers a dead or wedged engine by failing its requests UNAVAILABLE and asking Triton to
-unload it (``pb_utils.unload_model``): while it is gone, ``/v2/health/ready`` and the readiness of
-``mm_llm`` and of the ensembles built on it say "not ready" -- on Triton 2.51 the only way a Python
-model can make them tell the truth. Something else must load it back: a model can't load itself
-once it is unloading (seen: the stub's heap corrupted, ``ModelLoader::SaveToSharedMemory``). So
-``mm_pipeline`` runs a ``ModelKeeper``: when the first of ``models`` goes from ready to not ready
-while the keeper's own model is still ready (so the server is not stopping), it loads every one of
-``models`` that is not ready, in order (``mm_llm``, then ``mm_ensemble``, which Triton unloaded with
-it). Needs ``--model-control-mode=explicit``. An operator who unloads ``mm_llm`` by hand sees it
-loaded back: unload ``mm_pipeline`` first.
+unload it: while it is gone, ``/v2/health/ready`` and the readiness of ``mm_llm`` and of the
+ensembles built on it say "not ready" -- on Triton 2.51 the only way a Python model can make them
+tell the truth. Something must then load it back, and on 2.51 it can't be a Python model: measured,
+a stub that loads a model after its own unload corrupts its heap, and one that polls
+``pb_utils.is_model_ready`` beside its requests crashes tritonserver
+(``boost::interprocess::lock_exception``). So the keeper is a client of Triton's HTTP repository
+API, beside the server: when the first of ``models`` goes from ready to not ready, it loads every
+one of ``models`` that is not ready, in order (``mm_llm``, then ``mm_ensemble``, which Triton
+unloaded with it). ``mmserve.triton_server`` runs one (``scripts/serve.sh``, the tests); elsewhere
+run it as a sidecar (needs ``--model-control-mode=explicit``)::
+
+    python -m mmserve.serving.keeper --url 127.0.0.1:8000 mm_llm mm_ensemble
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
-from typing import Any
 
 logger = logging.getLogger(__name__)
 
 
 class ModelKeeper:
     """Args:
-        pb_utils: ``triton_python_backend_utils``.
-        own_model: the model that runs the keeper (not ready: the server is stopping).
+        http_url: ``host:port`` of Triton's HTTP endpoint.
         models: the model to watch, then the models to load with it, in load order.
         interval_s: how often readiness is checked.
-        grace_s: how long a model must stay not ready before it is loaded back.
+        grace_s: how long the watched model must stay not ready before it is loaded back.
+        load_timeout_s: how long a load may take (an engine start).
     """
 
-    def __init__(self, pb_utils: Any, own_model: str, models: Sequence[str], *, interval_s: float = 0.5,
-                 grace_s: float = 1.0) -> None:
-        self.pb = pb_utils
-        self.own_model = own_model
+    def __init__(self, http_url: str, models: Sequence[str], *, interval_s: float = 0.5, grace_s: float = 1.0,
+                 load_timeout_s: float = 900.0) -> None:
+        self.base = f"http://{http_url}"
         self.models = list(models)
-        self.interval_s, self.grace_s = interval_s, grace_s
+        self.interval_s, self.grace_s, self.load_timeout_s = interval_s, grace_s, load_timeout_s
+        self.loads: list[tuple[str, float]] = []
+        """(model, seconds) of every load back, for logs and tests."""
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mmserve-model-keeper", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="mmserve-model-keeper", daemon=True)
+
+    def start(self) -> ModelKeeper:
         if self.models:
             self._thread.start()
+        return self
 
     def _ready(self, model: str) -> bool:
         try:
-            return bool(self.pb.is_model_ready(model))
-        except Exception:  # noqa: BLE001 - e.g. the server stopping: not ready
+            with urllib.request.urlopen(f"{self.base}/v2/models/{model}/ready", timeout=5) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
             return False
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Watch until ``stop`` (in the calling thread)."""
         watched = self.models[0]
         seen_ready = False
         while not self._stopping.wait(self.interval_s):
@@ -58,27 +69,46 @@ class ModelKeeper:
                 continue
             if not seen_ready:  # still loading at start
                 continue
-            if self._stopping.wait(self.grace_s) or not self._ready(self.own_model) or self._ready(watched):
+            if self._stopping.wait(self.grace_s) or self._ready(watched):
                 continue
             self._load_back()
 
     def _load_back(self) -> None:
-        started = time.monotonic()
         for model in self.models:
             if self._stopping.is_set() or self._ready(model):
                 continue
             logger.warning("%s is not loaded (it unloaded itself after a fault): loading it", model)
+            started = time.monotonic()
+            request = urllib.request.Request(f"{self.base}/v2/repository/models/{model}/load", data=b"{}",
+                                             method="POST", headers={"Content-Type": "application/json"})
             try:
-                self.pb.load_model(model)
-            except Exception:  # noqa: BLE001 - tried again on the next check, after a pause
-                logger.exception("loading %s failed; trying again in 10 s", model)
+                with urllib.request.urlopen(request, timeout=self.load_timeout_s):
+                    pass
+            except (urllib.error.URLError, OSError) as exc:
+                logger.error("loading %s failed (%s); trying again in 10 s", model, exc)
                 self._stopping.wait(10)
                 return
-        logger.warning("loaded back %s in %.1f s", ", ".join(self.models), time.monotonic() - started)
+            self.loads.append((model, time.monotonic() - started))
+            logger.warning("loaded %s back in %.1f s", model, self.loads[-1][1])
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop, and wait for the thread: a call into Triton still in flight when the stub tears
-        down crashes tritonserver 2.51 (``boost::interprocess::lock_exception``)."""
         self._stopping.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Load back Triton models that unloaded themselves after a fault.")
+    parser.add_argument("--url", default="127.0.0.1:8000", help="Triton's HTTP host:port")
+    parser.add_argument("models", nargs="+", help="the model to watch, then those to load with it, in order")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        ModelKeeper(args.url, args.models).run()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
