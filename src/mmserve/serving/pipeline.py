@@ -171,7 +171,7 @@ class Pipeline:
         logger.info("cancelled %s on %s in %.3f s", request_id, self.llm, time.monotonic() - started)
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the cancellation watcher and wait for it (no call into Triton may be in flight when
-        the stub tears down: see ModelKeeper.stop)."""
+        """Stop the cancellation watcher and wait for it: a call into Triton still in flight when the
+        stub tears down crashes tritonserver 2.51 (``boost::interprocess::lock_exception``)."""
         self._stopping.set()
         self._watcher.join(timeout)
