@@ -160,20 +160,19 @@ def test_cancel_through_the_pipeline_stops_the_engine(server, stream):
     """Finding 7: a client's cancel reaches the engine through mm_pipeline (mm_ensemble can't carry
     it: Triton's ensemble scheduler checks cancellation only between steps), long before the end.
 
-    Triton 2.51 delivers a gRPC stream's cancellation to the model it was sent to only most of the
-    time, hence up to three tries; tests/test_llm_service.py covers what mm_llm does once told.
+    Triton 2.51 tells the model of a gRPC stream's cancellation late at times (seen in CI: 2568
+    tokens after, on a busy stream), hence up to three tries, of which one must stop within 1000
+    of the 3000 tokens; tests/test_llm_service.py covers what mm_llm does once told.
     """
     if server.metrics is None:
         pytest.skip("MMSERVE_TRITON_METRICS_URL not given")
-    counts = []
+    tries = []
     for _ in range(3):
-        at_cancel, total = generated_after_cancel(server, "mm_pipeline", _long_generation(stream))
-        counts.append(total)
-        if total < 3000:
+        tries.append(generated_after_cancel(server, "mm_pipeline", _long_generation(stream)))
+        if tries[-1][1] < 1000:
             break
-    print(f"\nmm_pipeline, stream={stream}: cancelled at {at_cancel:.0f} tokens, {total:.0f} generated in all "
-          f"(max_tokens 3000; tries {counts})")
-    assert counts[-1] < 1000, f"every try ran to its end ({counts} tokens): the request was not aborted"
+    print(f"\nmm_pipeline, stream={stream}: (tokens when cancelled, tokens in all) per try: {tries}")
+    assert min(total for _, total in tries) < 1000, f"no try stopped early: {tries}"
 
 
 def test_cancel_reaches_mm_llm_called_directly(server, tiny_models):
