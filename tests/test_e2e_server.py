@@ -219,7 +219,7 @@ def test_perf_analyzer_against_the_ensemble(server, tmp_path):
     command = [str(perf_analyzer), "-m", "mm_ensemble", "-u", server.grpc, "-i", "grpc", "--streaming",
                "--input-data", str(tmp_path / "input.json"), "--concurrency-range", "2",
                "--measurement-mode", "count_windows", "--measurement-request-count", "8",
-               "--stability-percentage", "80", "--max-trials", "3"]
+               "--stability-percentage", "100", "--max-trials", "10"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "Throughput:" in run.stdout

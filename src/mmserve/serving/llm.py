@@ -342,7 +342,8 @@ class LLMService:
         except Exception as exc:  # noqa: BLE001 - the engine's own failure, answered, not raised
             if self.runner.engine is None or self.runner.engine.errored:
                 logger.warning("request %s: the engine failed (%s)", request_id, type(exc).__name__)
-                sink.send_error(UnavailableError("the engine failed; the model is being restarted, retry shortly"))
+                sink.send_error(self._unavailable()
+                                or UnavailableError("the engine failed; the model is being restarted, retry shortly"))
             else:
                 sink.send_error(public_error(exc, context=request_id))
         finally:
