@@ -25,7 +25,6 @@ import base64
 import json
 import mimetypes
 import queue
-import re
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from mmserve.wire import code_of
 
 PIPELINE = "mm_pipeline"
 ENSEMBLE = "mm_ensemble"
@@ -64,20 +65,9 @@ class ClientError(RuntimeError):
         self.code = error_code(message)
 
 
-_TRITON_UNAVAILABLE = ("has no available versions", "is not ready", "unloading", "Server is stopping")
-
-
-_TAG = re.compile(r"\[(INVALID_ARG|UNAVAILABLE|CANCELLED|INTERNAL)\] ")
-
-
 def error_code(message: str) -> str | None:
     """The class of a server error message (see ``ClientError``)."""
-    tag = _TAG.search(message)
-    if tag:
-        return tag.group(1)
-    if any(marker in message for marker in _TRITON_UNAVAILABLE):
-        return "UNAVAILABLE"
-    return None
+    return code_of(message)
 
 
 def _read(media: Media) -> bytes:

@@ -21,7 +21,8 @@ import numpy as np
 
 from mmserve.errors import InputError, InternalError, ServiceError, UnavailableError
 from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
-from mmserve.serving.triton import TAG, error_response, triton_error
+from mmserve.serving.triton import error_response, triton_error
+from mmserve.wire import TAG, TRITON_UNAVAILABLE
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,6 @@ LLM_INPUTS = (
 OUTPUTS = ("text_output", "output_ids", "finish_reason", "cumulative_logprob", "logprobs",
            "num_input_tokens", "num_output_tokens")
 CANCEL_POLL_S = 0.1
-TRITON_UNAVAILABLE = ("unknown model", "no available versions", "is not ready", "unloading")
-"""What Triton 2.51 says (with code INTERNAL) of a model that is being unloaded or loaded."""
 
 
 class _Client:

@@ -13,29 +13,21 @@ client; ``mmserve.client`` turns it back into an exception class.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from mmserve.errors import public_error
+from mmserve.wire import tagged
 
 logger = logging.getLogger(__name__)
-
-
-TAG = re.compile(r"\[(INVALID_ARG|UNAVAILABLE|CANCELLED|INTERNAL)\] ")
-"""The tag in a message; not always at its start (Triton's ensemble prefixes "in ensemble '...', ")."""
-
-
-def tagged_message(code: str, message: str) -> str:
-    return f"[{code}] {message}"
 
 
 def triton_error(pb_utils: Any, exc: BaseException, *, context: str = "") -> Any:
     """``exc`` as a ``pb_utils.TritonError`` fit for the client (see ``mmserve.errors.public_error``)."""
     error = public_error(exc, context=context)
-    return pb_utils.TritonError(tagged_message(error.triton_code, str(error)),
+    return pb_utils.TritonError(tagged(error.triton_code, str(error)),
                                 getattr(pb_utils.TritonError, error.triton_code))
 
 
