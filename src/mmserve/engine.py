@@ -121,15 +121,6 @@ class EngineRunner:
         if any(alive(p) for p in killed):
             logger.error("engine processes still alive after SIGKILL: %s", [p.pid for p in killed if alive(p)])
 
-    def kill(self) -> None:
-        """Stop a failed engine at once: kill its processes, then shut the rest down."""
-        self.kill_processes()
-        try:
-            self.shutdown()
-        except Exception:  # noqa: BLE001 - the engine is being discarded; log and move on
-            logger.exception("shutting down the failed engine")
-            self._remove_shm()
-
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run ``coro`` on the engine's loop; returns a thread-safe future."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -171,14 +162,16 @@ class EngineRunner:
     def shutdown(self, timeout: float = 60.0) -> None:
         """Stop the engine (its core process included) and the loop thread; idempotent. Core
         processes still alive after ``timeout`` seconds are killed."""
-        if getattr(self, "engine", None) is not None and self._loop.is_running():
-            try:
-                self.submit(self._close()).result(timeout=timeout)
-            except concurrent.futures.TimeoutError:
-                logger.error("the engine did not stop within %.0f s; killing its processes", timeout)
-        self.kill_processes()  # what vLLM's shutdown left (none, normally)
-        self._stop_loop()
-        self._remove_shm()
+        try:
+            if getattr(self, "engine", None) is not None and self._loop.is_running():
+                try:
+                    self.submit(self._close()).result(timeout=timeout)
+                except concurrent.futures.TimeoutError:
+                    logger.error("the engine did not stop within %.0f s; killing its processes", timeout)
+        finally:
+            self.kill_processes()  # what vLLM's shutdown left (none, normally)
+            self._stop_loop()
+            self._remove_shm()
 
     def _remove_shm(self) -> None:
         # Processes that were killed (by us, by vLLM after SHUTDOWN_GRACE_S, or by a fault) leave

@@ -251,11 +251,6 @@ class LLMService:
         return cls(EngineRunner(config.model, stat_loggers=stat_loggers, **engine_args), **kwargs)
 
     # -- state ---------------------------------------------------------------------------------
-    @property
-    def failure(self) -> str | None:
-        """Why the service failed (None while it serves)."""
-        return self._failure
-
     def note_progress(self) -> None:
         """The engine did work (an output arrived, a step's statistics came in)."""
         self._last_progress = time.monotonic()
@@ -386,7 +381,10 @@ class LLMService:
             if entry.future is not None:
                 entry.future.cancel()  # _run answers UNAVAILABLE
         self._idle.wait(10)
-        self.runner.kill()
+        try:
+            self.runner.shutdown()  # its processes are dead already; removes their shared memory
+        except Exception:  # noqa: BLE001 - the engine is being discarded; log and move on
+            logger.exception("shutting down the failed engine")
         if self._on_failure is not None:
             self._on_failure(reason)
 
