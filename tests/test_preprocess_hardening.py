@@ -256,9 +256,10 @@ def test_non_finite_audio_is_rejected(preprocessor):
 
 
 def test_non_finite_features_are_rejected_naming_the_tensor(preprocessor):
-    # Finite samples whose power overflows float32: the log-mel features come out infinite.
+    # Finite samples whose power overflows float32: the log-mel features come out infinite, all
+    # 128 mel bins x 100 frames of the 1-s clip (the window's padding past it is cut).
     rejects(lambda: preprocessor("x", pcm=[(np.full(16000, 3e38, np.float32), 16000)]),
-            "input_features: 384000 non-finite values (NaN/Inf) in the processed features")
+            f"input_features: {128 * 16000 // 160} non-finite values (NaN/Inf) in the processed features")
 
 
 # -- 6. control tokens typed in user text ----------------------------------------------------------
@@ -391,7 +392,11 @@ def triton_model(preprocessor, monkeypatch):
         model.initialize({"model_config": json.dumps(overridden), "model_repository": str(MODEL_DIR)})
         return model, built
 
-    return load
+    import torch
+
+    threads = torch.get_num_threads()  # initialize sets the process's torch threads
+    yield load
+    torch.set_num_threads(threads)
 
 
 def _request(**tensors):
@@ -438,6 +443,27 @@ def test_triton_model_hides_internal_faults(triton_model, caplog):
     assert "incident" in message and "secret" not in message and "Traceback" not in message and "/" not in message
     incident = message.split("incident ")[1].split(")")[0]
     assert any(incident in record.getMessage() for record in caplog.records)  # the log keeps the detail
+
+
+def test_torch_threads_share_the_cores_among_the_instances(triton_model):
+    import torch
+
+    from mmserve.serving.preprocess import threads_per_instance
+
+    assert threads_per_instance("auto", instances=2, cores=16) == 8
+    assert threads_per_instance("", instances=3, cores=16) == 5
+    assert threads_per_instance("auto", instances=4, cores=2) == 1  # never none
+    assert threads_per_instance("3", instances=2, cores=2) == 3
+    for bad in ("0", "-1", "many"):
+        with pytest.raises(ValueError, match="torch_threads: expected 'auto' or a positive integer"):
+            threads_per_instance(bad, instances=1, cores=2)
+    triton_model(torch_threads="3")
+    assert torch.get_num_threads() == 3
+    from mmserve.serving.preprocess import available_cores
+
+    triton_model()  # config.pbtxt: "auto" over its instance_group
+    instances = sum(g.count for g in preprocess_config().instance_group)
+    assert torch.get_num_threads() == max(1, available_cores() // instances)
 
 
 def test_triton_model_refuses_bad_parameters(triton_model):

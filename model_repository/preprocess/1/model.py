@@ -11,7 +11,9 @@ the request limits ``max_request_bytes`` (64 MiB), ``max_images`` (4), ``max_ima
 (16777216), ``max_audio_clips`` (2), ``max_audio_seconds`` (empty or ``window``: the model's audio
 window, 30 s for Whisper-style encoders), ``max_total_audio_seconds`` (60), ``max_prompt_tokens``
 (32768); ``user_control_tokens`` (``escape``, the default, or ``reject``: special tokens typed in
-the user's text). An absent or empty value keeps the default; a bad one fails the model's loading.
+the user's text); ``torch_threads`` (``auto``: the cores this process may use, shared out among
+the model's instances; or a number). An absent or empty value keeps the default; a bad one fails the
+model's loading.
 
 Errors: every exception is answered, through ``mmserve.errors.public_error`` (by
 ``mmserve.serving.triton.error_response``, which also tags the message with its code): a rejected
@@ -22,11 +24,20 @@ The logic lives in mmserve.serving.preprocess; see docs/tensors.md.
 """
 
 import json
+import logging
 
+import torch
 import triton_python_backend_utils as pb_utils
 
 from mmserve.inputs import resolve_model
-from mmserve.serving.preprocess import PreprocessError, PreprocessLimits, Preprocessor
+from mmserve.serving.preprocess import (
+    PreprocessError,
+    PreprocessLimits,
+    Preprocessor,
+    threads_per_instance,
+)
+
+logger = logging.getLogger("preprocess")
 from mmserve.serving.triton import error_response, parameters, read_input
 
 
@@ -40,7 +51,13 @@ def _items(array):
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = parameters(json.loads(args["model_config"]))
+        model_config = json.loads(args["model_config"])
+        config = parameters(model_config)
+        instances = sum(group.get("count", 1) for group in model_config.get("instance_group", [])) or 1
+        threads = threads_per_instance(config.get("torch_threads"), instances)
+        torch.set_num_threads(threads)
+        logger.info("%s: %d torch thread(s) per instance, %d instance(s)", args.get("model_instance_name", "preprocess"),
+                    threads, instances)
         self.preprocessor = Preprocessor(
             resolve_model(config.get("model") or None, args["model_repository"]),
             limits=PreprocessLimits.from_parameters(config),
@@ -54,7 +71,7 @@ class TritonPythonModel:
                 outputs = self._preprocess(request)
                 tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
-            except Exception as exc:  # noqa: BLE001 - every request gets an answer
+            except Exception as exc:
                 responses.append(error_response(pb_utils, exc, context="preprocess"))
         return responses
 

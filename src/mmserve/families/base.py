@@ -13,9 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from mmserve.errors import ProcessedInputError
+
 
 @dataclass(frozen=True)
 class FieldSpec:
@@ -131,6 +133,11 @@ class ModalitySpec(ABC):
         """Short description of an item for error messages (what its count was derived from)."""
         return ""
 
+    def compact(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The processor's output for this modality with padding the model never reads removed
+        (smaller tensors on every hop); the model's outputs must stay identical. Default: as is."""
+        return dict(data)
+
 
 @dataclass(frozen=True)
 class FamilySpec:
@@ -158,11 +165,7 @@ def as_tensor(value: Any, modality: str, field: str) -> torch.Tensor:
     """Accept torch tensors and numpy arrays (what Triton hands over)."""
     if isinstance(value, torch.Tensor):
         return value
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        np = None
-    if np is not None and isinstance(value, np.ndarray):
+    if isinstance(value, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(value))
     raise ProcessedInputError(
         modality, field=field, expected="a torch.Tensor or numpy.ndarray", found=type(value).__name__

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from mmserve.errors import ProcessedInputError
@@ -189,3 +190,16 @@ class WhisperAudio(ModalitySpec):
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"{int(item['feature_attention_mask'].sum())} valid mel frames"
+
+    def compact(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Frames past the longest clip's valid ones cut (unless ``fixed_frames``): the feature
+        extractor pads every clip to its 30-s window (3000 frames, 1.5 MB a clip), and the encoder
+        reads the valid frames only (vLLM packs ``input_features[mask]`` before it runs)."""
+        features, mask = data.get("input_features"), data.get("feature_attention_mask")
+        if self.fixed_frames or features is None or mask is None or features.size == 0:
+            return dict(data)
+        frames = int(np.asarray(mask).sum(-1).max())
+        if frames <= 0 or frames >= features.shape[-1]:
+            return dict(data)
+        return {**data, "input_features": np.ascontiguousarray(features[..., :frames]),
+                "feature_attention_mask": np.ascontiguousarray(mask[..., :frames])}

@@ -9,6 +9,7 @@ engine and answers through a ``ResponseSink``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
@@ -28,6 +29,7 @@ from mmserve.errors import InputError, ServiceError, UnavailableError, public_er
 from mmserve.families import FamilySpec
 from mmserve.inputs import family_of_checkpoint, processed_prompt, resolve_model
 from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
+from mmserve.serving.outbox import Outbox
 from mmserve.serving.sampling import parse_sampling_parameters
 
 logger = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ FLAG_INPUTS = (
 
 
 CANCEL_POLL_S = 0.1
-"""How often each request in flight checks whether its client cancelled it."""
+"""How often the watcher asks Triton whether the clients of the requests in flight cancelled them."""
 
 
 class RequestError(InputError):
@@ -205,14 +207,21 @@ def response_tensors(request: GenerateRequest, output: RequestOutput) -> dict[st
 
 @dataclass
 class _InFlight:
-    """One request on the engine: its future on the loop and its cancellation flag."""
+    """One request on the engine: its future on the loop, where its responses go, and whether it was
+    cancelled (by its client, or by a ``cancel`` control request)."""
 
-    future: Any
+    sink: ResponseSink
+    future: Any = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 class LLMService:
     """The engine, the requests in flight on it, and a watcher of the engine's health.
+
+    The engine's asyncio loop does engine work only: it reads the engine's outputs and hands each
+    response to an ``Outbox``, whose thread builds the response tensors and sends them to Triton (a
+    blocking call into the server). One watcher thread checks the clients' cancellations of every
+    request in flight (``CANCEL_POLL_S``) and the engine's health (``health.check_interval_s``).
 
     A dead engine (its core process gone) or a wedged one (requests in flight, no progress for
     ``health.stall_timeout_s``) fails the service: every request in flight and every later one is
@@ -238,8 +247,9 @@ class LLMService:
         self._idle = threading.Event()
         self._idle.set()
         self._failure: str | None = None
-        self._stopping = False
+        self._stopping = threading.Event()
         self._last_progress = time.monotonic()
+        self._outbox = Outbox("mmserve-responses")
         self._watcher = threading.Thread(target=self._watch, name="mmserve-engine-watch", daemon=True)
         self._watcher.start()
 
@@ -259,23 +269,23 @@ class LLMService:
         if self._failure is not None:
             return UnavailableError(f"the engine failed ({self._failure}); the model is being restarted, "
                                     "retry shortly")
-        if self._stopping:
+        if self._stopping.is_set():
             return UnavailableError("the model is shutting down")
         return None
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, request: GenerateRequest, sink: ResponseSink, request_id: str, *,
                client_id: str | None = None) -> None:
-        """Start ``request`` on the engine; responses go to ``sink`` (from the engine's thread).
+        """Start ``request`` on the engine; responses go to ``sink`` (from the outbox's thread).
 
         ``client_id`` (the caller's own request id) lets ``cancel`` find the request later.
         """
+        entry = _InFlight(sink)
         with self._lock:
             refused = self._unavailable()
             if refused is None:
                 if not self._in_flight:
                     self._last_progress = time.monotonic()  # the stall clock starts with the work
-                entry = _InFlight(future=None)
                 self._in_flight[request_id] = entry
                 if client_id:
                     self._by_client_id[client_id] = request_id
@@ -283,17 +293,28 @@ class LLMService:
         if refused is not None:
             sink.send_error(refused)
             return
-        entry.future = self.runner.submit(self._run(request, sink, request_id, entry.cancelled))
+        entry.future = self.runner.submit(self._run(request, entry, request_id))
         entry.future.add_done_callback(lambda _: self._done(request_id, client_id))
 
     def cancel(self, client_id: str) -> bool:
         """Cancel the request submitted with ``client_id``; False if none is in flight."""
         with self._lock:
-            entry = self._in_flight.get(self._by_client_id.get(client_id, ""))
+            request_id = self._by_client_id.get(client_id, "")
+            entry = self._in_flight.get(request_id)
         if entry is None:
             return False
-        entry.cancelled.set()
+        self._abort(request_id, entry)
         return True
+
+    def _abort(self, request_id: str, entry: _InFlight) -> None:
+        """Stop a cancelled request on the engine (once); its stream then ends with an empty final
+        response."""
+        if entry.cancelled.is_set():
+            return
+        entry.cancelled.set()
+        engine = self.runner.engine
+        if engine is not None:
+            self.runner.submit(engine.abort(request_id))
 
     def _done(self, request_id: str, client_id: str | None) -> None:
         with self._lock:
@@ -303,75 +324,83 @@ class LLMService:
             if not self._in_flight:
                 self._idle.set()
 
-    async def _run(self, request: GenerateRequest, sink: ResponseSink, request_id: str,
-                   cancel_flag: threading.Event) -> None:
-        cancelled = asyncio.Event()
-        watchdog = asyncio.create_task(self._abort_when_cancelled(sink, request_id, cancel_flag, cancelled))
+    async def _run(self, request: GenerateRequest, entry: _InFlight, request_id: str) -> None:
+        """On the engine's loop: read the engine's outputs, queue the responses (never call Triton here)."""
+        sink, send, cancelled = entry.sink, self._outbox.put, entry.cancelled
         try:
-            last: dict[str, np.ndarray] | None = None
+            last: RequestOutput | None = None
             async for output in self.runner.stream(request.prompt, request.sampling_params, request_id):
                 self._last_progress = time.monotonic()
                 if cancelled.is_set():  # the client is gone: nothing more to say
                     break
-                tensors = response_tensors(request, output)
                 if request.stream:
-                    sink.send(tensors, final=output.finished)
+                    send(functools.partial(_send_output, sink, request, output))
                     if output.finished:
                         return
                 else:
-                    last = tensors
+                    last = output
             if cancelled.is_set() or request.stream:  # cancelled, or the stream ended unfinished
-                sink.send_final()
+                send(sink.send_final)
             elif last is not None:
-                sink.send(last, final=True)
+                send(functools.partial(_send_output, sink, request, last))
             else:
-                sink.send_error(public_error(RuntimeError("the engine returned no output"), context=request_id))
+                send(functools.partial(sink.send_error,
+                                       public_error(RuntimeError("the engine returned no output"), context=request_id)))
         except asyncio.CancelledError:  # the service failed or stops: this request can't finish
-            sink.send_error(self._unavailable() or UnavailableError("the request was stopped"))
+            send(functools.partial(sink.send_error, self._unavailable() or UnavailableError("the request was stopped")))
             raise
         except (ValueError, VLLMClientError) as exc:  # bad request, found by vLLM's input processing
             if self.runner.engine is None or self.runner.engine.errored:
-                sink.send_error(self._unavailable() or UnavailableError("the engine is not running"))
+                error: ServiceError = self._unavailable() or UnavailableError("the engine is not running")
             else:
-                sink.send_error(public_error(exc if isinstance(exc, ServiceError) else InputError(str(exc))))
-        except Exception as exc:  # noqa: BLE001 - the engine's own failure, answered, not raised
+                error = public_error(exc if isinstance(exc, ServiceError) else InputError(str(exc)))
+            send(functools.partial(sink.send_error, error))
+        except Exception as exc:
             if self.runner.engine is None or self.runner.engine.errored:
                 logger.warning("request %s: the engine failed (%s)", request_id, type(exc).__name__)
-                sink.send_error(self._unavailable()
-                                or UnavailableError("the engine failed; the model is being restarted, retry shortly"))
+                error = (self._unavailable()
+                         or UnavailableError("the engine failed; the model is being restarted, retry shortly"))
             else:
-                sink.send_error(public_error(exc, context=request_id))
-        finally:
-            watchdog.cancel()
+                error = public_error(exc, context=request_id)
+            send(functools.partial(sink.send_error, error))
 
-    async def _abort_when_cancelled(self, sink: ResponseSink, request_id: str, flag: threading.Event,
-                                    cancelled: asyncio.Event) -> None:
-        """Poll the client's cancellation (Triton has no callback for it) and abort the engine
-        request then; works for non-streaming requests too, which produce no output to check on."""
-        while not (flag.is_set() or sink.is_cancelled()):
-            await asyncio.sleep(CANCEL_POLL_S)
-        cancelled.set()
-        await self.runner.engine.abort(request_id)
-
-    # -- health --------------------------------------------------------------------------------
+    # -- the watcher: cancellations and health -------------------------------------------------
     def _watch(self) -> None:
-        while not self._stopping and self._failure is None:
-            time.sleep(self.health.check_interval_s)
-            engine = self.runner.engine
-            if self._stopping or engine is None:
-                return
-            if engine.errored:
-                self.fail("its core process exited")
-                return
-            stalled = time.monotonic() - self._last_progress
-            if self._in_flight and stalled > self.health.stall_timeout_s:
-                self.fail(f"no progress for {stalled:.0f} s with {len(self._in_flight)} request(s) in flight")
-                return
+        next_health_check = time.monotonic() + self.health.check_interval_s
+        while not self._stopping.wait(CANCEL_POLL_S) and self._failure is None:
+            self._check_cancellations()
+            if time.monotonic() >= next_health_check:
+                next_health_check = time.monotonic() + self.health.check_interval_s
+                if not self._check_health():
+                    return
+
+    def _check_cancellations(self) -> None:
+        """Triton has no callback for a client's cancellation: ask for each request in flight (also
+        works for non-streaming requests, which produce no output to check on)."""
+        with self._lock:
+            entries = list(self._in_flight.items())
+        for request_id, entry in entries:
+            if not entry.cancelled.is_set() and entry.sink.is_cancelled():
+                self._abort(request_id, entry)
+
+    def _check_health(self) -> bool:
+        """False once the service failed or the engine is gone."""
+        engine = self.runner.engine
+        if self._stopping.is_set() or engine is None:
+            return False
+        if engine.errored:
+            self.fail("its core process exited")
+            return False
+        stalled = time.monotonic() - self._last_progress
+        if self._in_flight and stalled > self.health.stall_timeout_s:
+            self.fail(f"no progress for {stalled:.0f} s with {len(self._in_flight)} request(s) in flight")
+            return False
+        return True
 
     def fail(self, reason: str) -> None:
         """Fail the service: answer every request UNAVAILABLE, kill the engine, call on_failure."""
         with self._lock:
-            if self._failure is not None or self._stopping:
+            if self._failure is not None or self._stopping.is_set():
                 return
             self._failure = reason
             in_flight = list(self._in_flight.values())
@@ -381,21 +410,31 @@ class LLMService:
             if entry.future is not None:
                 entry.future.cancel()  # _run answers UNAVAILABLE
         self._idle.wait(10)
+        self._outbox.flush(10)
         try:
             self.runner.shutdown()  # its processes are dead already; removes their shared memory
-        except Exception:  # noqa: BLE001 - the engine is being discarded; log and move on
+        except Exception:
             logger.exception("shutting down the failed engine")
         if self._on_failure is not None:
             self._on_failure(reason)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop: requests still in flight are answered UNAVAILABLE, then the engine stops."""
+        """Stop: requests still in flight are answered UNAVAILABLE, then the engine stops. Every
+        response is sent before this returns (Triton must get none after the model's finalize)."""
         with self._lock:
-            self._stopping = True
+            self._stopping.set()
             in_flight = list(self._in_flight.values())
         for entry in in_flight:
             if entry.future is not None:
                 entry.future.cancel()
         if not self._idle.wait(timeout):
             logger.warning("shutting down with %d request(s) in flight", len(self._in_flight))
+        self._outbox.close(timeout)
+        if threading.current_thread() is not self._watcher:
+            self._watcher.join(timeout)
         self.runner.shutdown()
+
+
+def _send_output(sink: ResponseSink, request: GenerateRequest, output: RequestOutput) -> None:
+    """Build one response's tensors and send it (on the outbox's thread)."""
+    sink.send(response_tensors(request, output), final=output.finished or not request.stream)

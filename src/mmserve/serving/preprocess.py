@@ -75,6 +75,7 @@ import base64
 import copy
 import io
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -103,6 +104,33 @@ CONTROL_TOKEN_POLICIES: tuple[str, ...] = ("escape", "reject")
 
 # What the HF processor raises on inputs it can't handle; anything else is a fault of ours.
 _PROCESSOR_REJECTIONS = (ValueError, IndexError, TypeError, ArithmeticError, RuntimeError)
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: what a container or taskset grants)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_instance(setting: str | int | None, instances: int, cores: int | None = None) -> int:
+    """torch threads for one ``preprocess`` instance (config.pbtxt parameter ``torch_threads``).
+
+    ``"auto"`` (or empty): the cores shared out among the model's ``instances``, at least one, so
+    that instances working at once don't oversubscribe the cores (torch's default, one thread per
+    core in *every* instance, does). A positive integer is used as it is.
+    """
+    text = str(setting if setting is not None else "").strip()
+    if text in ("", "auto"):
+        return max(1, (cores or available_cores()) // max(1, instances))
+    try:
+        threads = int(text)
+    except ValueError:
+        threads = 0
+    if threads <= 0:
+        raise ValueError(f"parameter torch_threads: expected 'auto' or a positive integer, found {text!r}")
+    return threads
 
 
 class PreprocessError(InputError):
@@ -706,9 +734,14 @@ class Preprocessor:
         self._check_placeholders(input_ids, pil_images, clips, raw_prompt=not apply_chat_template)
         return {INPUT_IDS.name: input_ids, **self._features(processed)}
 
-    @staticmethod
-    def _features(processed: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Every feature tensor of the contract; float ones checked finite."""
+    def _features(self, processed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Every feature tensor of the contract, without padding the model never reads (the
+        family's ``compact``); float ones checked finite."""
+        processed = dict(processed)
+        for modality in self.family.modalities:
+            present = {name: processed[name] for name in modality.field_names if processed.get(name) is not None}
+            if present:
+                processed.update(modality.compact(present))
         outputs = {}
         for spec in FEATURE_TENSORS:
             value = processed.get(spec.name)
