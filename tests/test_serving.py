@@ -50,6 +50,28 @@ def test_preprocess_matches_the_hf_processor_on_decoded_media(preprocessor, omni
     np.testing.assert_array_equal(preprocessor("Describe.", [url])["pixel_values"], out["pixel_values"])
 
 
+def test_audio_features_are_the_full_window_ones_on_the_valid_frames(preprocessor, omni_reference):
+    """preprocess pads clips just past the longest one (not to the 30-s window) and cuts the
+    padding: every valid frame must still be bit-identical to the processor's default output, for
+    one or two clips of any length, loud, quiet or silent."""
+    from mmserve.hf_reference import chat_prompt
+
+    rng = np.random.default_rng(7)
+    for trial in range(12):
+        seconds = rng.uniform(0.1, 29.5, size=1 + trial % 2)
+        clips = [(rng.standard_normal(int(s * 16000)) * rng.uniform(1e-3, 1.0)).astype(np.float32) for s in seconds]
+        if trial % 4 == 0:
+            clips[0][:] = 0.0
+        out = preprocessor("Hi", pcm=[(clip, 16000) for clip in clips])
+        text = chat_prompt("qwen2_5_omni", omni_reference.processor, ["audio"] * len(clips) + ["text:Hi"])
+        ref = omni_reference.processor_inputs(text, audios=clips)
+        mask = ref["feature_attention_mask"].numpy()
+        frames = int(mask.sum(-1).max())
+        assert out["input_ids"].tolist() == ref["input_ids"][0].tolist()
+        np.testing.assert_array_equal(out["feature_attention_mask"], mask[:, :frames])
+        np.testing.assert_array_equal(out["input_features"], ref["input_features"].numpy()[..., :frames])
+
+
 def test_preprocess_empty_modalities_and_pcm(preprocessor):
     out = preprocessor("Hi")
     assert out["pixel_values"].shape[0] == 0 and out["input_features"].shape[0] == 0

@@ -9,7 +9,7 @@ turns one item's tensors into its placeholder count. Nothing else in the project
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +132,12 @@ class ModalitySpec(ABC):
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         """Short description of an item for error messages (what its count was derived from)."""
         return ""
+
+    def processor_kwargs(self, processor: Any, items: Sequence[Any]) -> dict[str, Any]:
+        """Extra keyword arguments for the HF processor's call on ``items`` (raw media of this
+        modality), e.g. a cheaper padding that gives the same values wherever the model reads them.
+        Default: none."""
+        return {}
 
     def compact(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The processor's output for this modality with padding the model never reads removed

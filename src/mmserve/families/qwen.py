@@ -4,7 +4,7 @@ only pick these up with their own placeholder tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -190,6 +190,26 @@ class WhisperAudio(ModalitySpec):
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"{int(item['feature_attention_mask'].sum())} valid mel frames"
+
+    def processor_kwargs(self, processor: Any, items: Sequence[Any]) -> dict[str, Any]:
+        """Pad the clips to just past the longest one instead of the 30-s window (unless
+        ``fixed_frames``): the feature extractor's cost is that of the padded length (a 3-s clip:
+        ~20x less), and the values of every valid frame are bit-identical.
+
+        Why identical: Whisper's log-mel runs a centered STFT (``n_fft`` window, reflect padding of
+        ``n_fft // 2`` at both ends) over the clip followed by zeros. With at least
+        ``n_fft // 2 + 1`` zeros past the longest clip, every frame sees the same samples as in the
+        30-s window (the reflected tail is zeros too), and the clamp to ``max - 8`` uses the same
+        maximum (silent frames give the floor, -10, in both). ``tests/test_serving.py`` checks it
+        against the processor's default.
+        """
+        extractor = getattr(processor, "feature_extractor", None)
+        if self.fixed_frames or extractor is None or not items:
+            return {}
+        hop, n_fft, window = extractor.hop_length, extractor.n_fft, extractor.n_samples
+        needed = max(len(clip) for clip in items) + n_fft // 2 + 1
+        samples = -(-needed // hop) * hop  # whole frames: as many mask entries as feature frames
+        return {"audio_kwargs": {"max_length": samples}} if samples < window else {}
 
     def compact(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Frames past the longest clip's valid ones cut (unless ``fixed_frames``): the feature

@@ -594,6 +594,10 @@ class Preprocessor:
     # -- the processor -------------------------------------------------------------------------
     def _run_processor(self, prompt: str, images: Sequence[Image], clips: Sequence[np.ndarray]) -> Mapping[str, Any]:
         kwargs: dict[str, Any] = {"text": [prompt], "return_tensors": "np"}
+        for modality, items in (("image", images), ("audio", clips)):
+            spec = self.family.modality(modality)
+            if items and spec is not None:
+                kwargs.update(spec.processor_kwargs(self.processor, items))
         if images:
             kwargs["images"] = list(images)
         if clips:
