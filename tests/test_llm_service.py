@@ -23,7 +23,9 @@ pytestmark = pytest.mark.engine
 class RecordingSink:
     """A ResponseSink that records; cancelled after ``cancel_after`` responses or seconds."""
 
-    def __init__(self, *, cancel_after_responses: int | None = None, cancel_after_s: float | None = None):
+    def __init__(self, *, cancel_after_responses: int | None = None, cancel_after_s: float | None = None,
+                 send_delay_s: float = 0.0):
+        self.send_delay_s = send_delay_s  # a slow Triton: responses queue up behind each send
         self.responses: list[dict[str, np.ndarray]] = []
         self.errors: list[tuple[str, bool]] = []
         self.closed_empty = False
@@ -37,6 +39,7 @@ class RecordingSink:
 
     def send(self, outputs, *, final):
         self._called()
+        time.sleep(self.send_delay_s)
         assert not self.closed.is_set(), "response after the final one"
         self.responses.append(dict(outputs))
         if final:
@@ -116,6 +119,23 @@ def test_streamed_deltas_are_the_reference_tokens(service, omni_workload):
     assert sum(int(r["num_output_tokens"][0]) for r in sink.responses) == len(reference)
     # The engine's loop never blocks on Triton: responses and cancellation checks run elsewhere.
     assert sink.threads and service.runner._thread.name not in sink.threads, sink.threads
+
+
+def test_deltas_queued_behind_a_slow_sender_go_out_merged(service, omni_workload):
+    """When sending falls behind the engine, a stream's waiting deltas leave as one response: the
+    same tokens, text and counts, in fewer responses."""
+    request, reference = next((r, t) for r, t in omni_workload if r.name == "image_audio#2")
+    fast, slow = RecordingSink(), RecordingSink(send_delay_s=0.05)
+    for sink, request_id in ((fast, "merge-fast"), (slow, "merge-slow")):
+        _run(service, _request(service, request, stream=True, max_tokens=len(reference),
+                               return_num_output_tokens=True, return_finish_reason=True), sink, request_id)
+    assert fast.output_ids() == slow.output_ids() == reference
+    assert len(slow.responses) < len(fast.responses)
+    for sink in (fast, slow):
+        assert sum(int(r["num_output_tokens"][0]) for r in sink.responses) == len(reference)
+        assert sink.responses[-1]["finish_reason"][0] in (b"length", b"stop")
+    text = [b"".join(r["text_output"][0] for r in sink.responses) for sink in (fast, slow)]
+    assert text[0] == text[1] and text[0]
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -213,15 +213,22 @@ class _InFlight:
     sink: ResponseSink
     future: Any = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # What waits for the outbox: engine outputs and calls (final, error), in order.
+    pending: list[RequestOutput | Callable[[], None]] = field(default_factory=list)
+    scheduled: bool = False  # a drain of ``pending`` is queued in the outbox
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class LLMService:
     """The engine, the requests in flight on it, and a watcher of the engine's health.
 
-    The engine's asyncio loop does engine work only: it reads the engine's outputs and hands each
-    response to an ``Outbox``, whose thread builds the response tensors and sends them to Triton (a
-    blocking call into the server). One watcher thread checks the clients' cancellations of every
-    request in flight (``CANCEL_POLL_S``) and the engine's health (``health.check_interval_s``).
+    The engine's asyncio loop does engine work only: it reads the engine's outputs and hands them
+    to an ``Outbox``, whose thread builds the response tensors and sends them to Triton (a blocking
+    call into the server). When the outbox falls behind (many streams, few cores), the deltas of a
+    stream that queued up meanwhile go out as one response (``RequestOutput.add``, as vLLM's own
+    output collector merges them): fewer, larger responses instead of a growing backlog. One
+    watcher thread checks the clients' cancellations of every request in flight
+    (``CANCEL_POLL_S``) and the engine's health (``health.check_interval_s``).
 
     A dead engine (its core process gone) or a wedged one (requests in flight, no progress for
     ``health.stall_timeout_s``) fails the service: every request in flight and every later one is
@@ -326,7 +333,11 @@ class LLMService:
 
     async def _run(self, request: GenerateRequest, entry: _InFlight, request_id: str) -> None:
         """On the engine's loop: read the engine's outputs, queue the responses (never call Triton here)."""
-        sink, send, cancelled = entry.sink, self._outbox.put, entry.cancelled
+        sink, cancelled = entry.sink, entry.cancelled
+
+        def post(item: RequestOutput | Callable[[], None]) -> None:
+            self._post(entry, request, item)
+
         try:
             last: RequestOutput | None = None
             async for output in self.runner.stream(request.prompt, request.sampling_params, request_id):
@@ -334,35 +345,64 @@ class LLMService:
                 if cancelled.is_set():  # the client is gone: nothing more to say
                     break
                 if request.stream:
-                    send(functools.partial(_send_output, sink, request, output))
+                    post(output)
                     if output.finished:
                         return
                 else:
                     last = output
             if cancelled.is_set() or request.stream:  # cancelled, or the stream ended unfinished
-                send(sink.send_final)
+                post(sink.send_final)
             elif last is not None:
-                send(functools.partial(_send_output, sink, request, last))
+                post(last)
             else:
-                send(functools.partial(sink.send_error,
+                post(functools.partial(sink.send_error,
                                        public_error(RuntimeError("the engine returned no output"), context=request_id)))
         except asyncio.CancelledError:  # the service failed or stops: this request can't finish
-            send(functools.partial(sink.send_error, self._unavailable() or UnavailableError("the request was stopped")))
+            post(functools.partial(sink.send_error, self._unavailable() or UnavailableError("the request was stopped")))
             raise
         except (ValueError, VLLMClientError) as exc:  # bad request, found by vLLM's input processing
             if self.runner.engine is None or self.runner.engine.errored:
                 error: ServiceError = self._unavailable() or UnavailableError("the engine is not running")
             else:
                 error = public_error(exc if isinstance(exc, ServiceError) else InputError(str(exc)))
-            send(functools.partial(sink.send_error, error))
-        except Exception as exc:
+            post(functools.partial(sink.send_error, error))
+        except Exception as exc:  # noqa: BLE001 - the engine's own failure, answered, not raised
             if self.runner.engine is None or self.runner.engine.errored:
                 logger.warning("request %s: the engine failed (%s)", request_id, type(exc).__name__)
                 error = (self._unavailable()
                          or UnavailableError("the engine failed; the model is being restarted, retry shortly"))
             else:
                 error = public_error(exc, context=request_id)
-            send(functools.partial(sink.send_error, error))
+            post(functools.partial(sink.send_error, error))
+
+    def _post(self, entry: _InFlight, request: GenerateRequest, item: RequestOutput | Callable[[], None]) -> None:
+        """Queue an engine output or a call (final, error) of one request for the outbox."""
+        with entry.lock:
+            entry.pending.append(item)
+            if entry.scheduled:  # a drain is queued already: it will take this one too
+                return
+            entry.scheduled = True
+        self._outbox.put(functools.partial(self._drain, entry, request))
+
+    @staticmethod
+    def _drain(entry: _InFlight, request: GenerateRequest) -> None:
+        """On the outbox's thread: send what one request has pending, consecutive outputs merged."""
+        with entry.lock:
+            items, entry.pending, entry.scheduled = entry.pending, [], False
+        merged: RequestOutput | None = None
+        for item in items:
+            if isinstance(item, RequestOutput):
+                if merged is None:
+                    merged = item
+                else:
+                    merged.add(item, aggregate=True)
+                continue
+            if merged is not None:
+                _send_output(entry.sink, request, merged)
+                merged = None
+            item()
+        if merged is not None:
+            _send_output(entry.sink, request, merged)
 
     # -- the watcher: cancellations and health -------------------------------------------------
     def _watch(self) -> None:
