@@ -75,7 +75,15 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -407,18 +415,6 @@ async def raw_tensors(request: Request) -> dict[str, np.ndarray]:
     return tensors
 
 
-def grpc_inputs(tensors: Mapping[str, np.ndarray]) -> list[Any]:
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
-
-    inputs = []
-    for name, array in tensors.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
-
-
 class TritonSystem(System):
     """A Triton model over gRPC streaming, one stream per request (``tritonclient.grpc.aio``)."""
 
@@ -430,7 +426,7 @@ class TritonSystem(System):
                       "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=np.object_)}
 
     async def tokens(self, request: Request) -> TokenStream:
-        from mmserve.client import ClientError
+        from mmserve.client import ClientError, grpc_inputs
 
         inputs = grpc_inputs({**await self.tensors(request), **self.flags})
 

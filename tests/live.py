@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from mmserve.client import grpc_inputs
+
 MAX_TOKENS = 12
 CASES: dict[str, list[str]] = {
     "text_only": [],
@@ -100,18 +102,6 @@ def client(server: Endpoints, **kwargs: Any):
 
 
 # -- raw sends ------------------------------------------------------------------------------------
-def grpc_inputs(tensors: dict[str, np.ndarray]) -> list:
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
-
-    inputs = []
-    for name, array in tensors.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
-
-
 def grpc_stream(server: Endpoints, model: str, tensors: dict[str, np.ndarray], timeout: float = 120) -> list:
     """Send ``tensors`` to a decoupled ``model`` over a gRPC stream; its results until the final one.
 

@@ -168,17 +168,13 @@ class MMClient:
     # -- gRPC: bidirectional streaming (the model is decoupled) -----------------------------------
     def _grpc(self, text, images, audios, params, flags, apply_chat_template) -> Iterator[Result]:
         import tritonclient.grpc as grpcclient
-        from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+        from tritonclient.utils import InferenceServerException
 
         tensors = self._tensors(text, images, audios, apply_chat_template)
         tensors["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=np.object_)
         for name, value in flags.items():
             tensors[name] = np.array([value])
-        inputs = []
-        for name, array in tensors.items():
-            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-            tensor.set_data_from_numpy(array)
-            inputs.append(tensor)
+        inputs = grpc_inputs(tensors)
 
         responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
         client = grpcclient.InferenceServerClient(self.url)
@@ -235,6 +231,19 @@ class MMClient:
                 if "error" in event:
                     raise ClientError(event["error"])
                 yield _result_from_json(event)
+
+
+def grpc_inputs(tensors: Mapping[str, np.ndarray]) -> list[Any]:
+    """tritonclient gRPC inputs (for its blocking and asyncio clients alike) from named arrays."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, array in tensors.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
 
 
 def _message(error: Any) -> str:
