@@ -11,7 +11,7 @@
 #   CUDA 13.0 build, the same CUDA minor as this base (host driver R580 or later).
 # * the Python packages the project is tested with (requirements/lock.txt), where vLLM allows them.
 ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:25.10-py3
-FROM ${TRITON_IMAGE}
+FROM ${TRITON_IMAGE} AS runtime
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
@@ -56,7 +56,9 @@ RUN if [ -n "${FLASHINFER_INDEX_URL}" ]; then \
             "flashinfer-jit-cache==0.7.0.post1+cu130"; \
     fi
 
-# The project itself, without its dependencies (all installed above).
+# The project's runtime package `mmserve` (no dependencies: all installed above). Its development
+# tooling (tools/: the CPU tritonserver launcher, the tiny-checkpoint builder, the HF reference) is not
+# installed in this image; only the tiny-models stage below uses it.
 WORKDIR /opt/mmserve/project
 COPY pyproject.toml README.md ./
 COPY src ./src
@@ -68,9 +70,16 @@ RUN python3 -m pip install --no-deps --no-build-isolation . \
 # what the project's end-to-end tests are computed against. model.json's default "../../models/
 # qwen2_5_omni" is relative to /opt/mmserve/model_repository/mm_llm -> /opt/mmserve/models/qwen2_5_omni
 # (preprocess resolves the same path from its own folder).
-WORKDIR /opt/mmserve
-RUN python3 -m mmserve.tiny_models --out /opt/mmserve/models
+# Built in a stage of their own with the tooling package, so that the final image carries the
+# checkpoints and not the tooling.
+FROM runtime AS tiny-models
+COPY tools /opt/mmserve/tools
+RUN python3 -m pip install --no-deps --no-build-isolation /opt/mmserve/tools \
+    && python3 -m mmserve_dev.tiny_models --out /opt/mmserve/models
 
+FROM runtime
+WORKDIR /opt/mmserve
+COPY --from=tiny-models /opt/mmserve/models ./models
 COPY model_repository ./model_repository
 COPY docker/model.gpu.json ./model_repository/mm_llm/model.json
 

@@ -22,7 +22,7 @@ work moved out of the engine's process: ``mmserve.serving.preprocess.Preprocesso
 alternating (which is faster depends on what else keeps the cores busy); and a check that both
 modes give the same greedy tokens per request (exit status 1 if not).
 
-Reproduce (about 2 minutes on 2 CPU cores, after ``.venv/bin/python -m mmserve.tiny_models``)::
+Reproduce (about 2 minutes on 2 CPU cores, after ``.venv/bin/python -m mmserve_dev.tiny_models``)::
 
     VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python bench/passthrough_vs_raw.py
 
@@ -75,7 +75,7 @@ class RoundResult:
 def build_workload(preprocessor, seeds: list[int], args) -> list[Request]:
     """Requests with their own media; the processed form is made here, outside any timed region."""
     from mmserve.inputs import processed_prompt
-    from mmserve.samples import AUDIO_SAMPLE_RATE, encode_image, sample_audio, sample_image
+    from mmserve_dev.samples import AUDIO_SAMPLE_RATE, encode_image, sample_audio, sample_image
 
     width, height = args.image_size
     requests = []

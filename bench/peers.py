@@ -26,7 +26,7 @@ order of the systems rotates from cell to cell; each run starts ``--settle`` (1.
 previous one, once the previous system's engine has stopped busy-polling. The three Triton systems
 share one engine, so every engine runs with vLLM's prefix cache and multimodal processor cache off,
 and with an encoder cache that forgets an item once no request in flight uses it
-(``mmserve.benchmarking``): no measured request is served from what another left behind. Each
+(``mmserve_dev.benchmarking``): no measured request is served from what another left behind. Each
 system is warmed up on every workload first.
 
 Check: the greedy tokens of every request must be the same on every system (the reference is the
@@ -40,7 +40,7 @@ under ``--out``: ``docs/`` by default, a new temporary folder with ``--quick`` (
 never overwrite the published figures).
 
 Reproduce (about 12 minutes on 2 CPU cores, 2.5 of which start the engines; after
-``scripts/setup_env.sh`` and ``.venv/bin/python -m mmserve.tiny_models``)::
+``scripts/setup_env.sh`` and ``.venv/bin/python -m mmserve_dev.tiny_models``)::
 
     .venv/bin/python bench/peers.py                    # writes docs/BENCHMARKS.md, docs/benchmarks/
     .venv/bin/python bench/peers.py --quick            # ~5-minute smoke run, written to a new /tmp folder
@@ -96,7 +96,7 @@ if TYPE_CHECKING:
     import tritonclient.grpc.aio as grpc_aio
 
     from mmserve.engine import EngineRunner
-    from mmserve.triton_server import TritonServer
+    from mmserve_dev.triton import TritonServer
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ QUESTIONS = ("Describe what you get.", "What is in there?", "Summarize the input
 BENCH_ENGINE_ARGS: dict[str, Any] = {
     "enable_prefix_caching": False,
     "mm_processor_cache_gb": 0,
-    "ec_manager_config": {"encoder_cache_manager_cls": "mmserve.benchmarking.NoReuseEncoderCacheManager"},
+    "ec_manager_config": {"encoder_cache_manager_cls": "mmserve_dev.benchmarking.NoReuseEncoderCacheManager"},
 }
 """Over model.json's engine arguments, in every engine: nothing served from another request's cache."""
 
@@ -267,7 +267,7 @@ class Request:
 
 def make_request(workload: str, seed: int, settings: Settings) -> Request:
     """A request with its own text and media, all derived from ``seed``."""
-    from mmserve.samples import encode_audio, encode_image, sample_audio, sample_image
+    from mmserve_dev.samples import encode_audio, encode_image, sample_audio, sample_image
 
     images, audios = WORKLOADS[workload]
     return Request(
@@ -520,7 +520,7 @@ class VllmServer:
     """Stock vLLM's OpenAI server on 127.0.0.1, in a process group of its own, without mmserve's plugin."""
 
     def __init__(self, engine_args: Mapping[str, Any], log_path: Path) -> None:
-        from mmserve.triton_server import free_ports
+        from mmserve_dev.triton import free_ports
 
         self.port = free_ports(1)[0]
         self.log_path = log_path
@@ -564,7 +564,7 @@ class VllmServer:
         a grace period, then remove the /dev/shm files they had mapped (killed processes leave theirs)."""
         import psutil
 
-        from mmserve.triton_server import shm_files_mapped
+        from mmserve_dev.triton import shm_files_mapped
 
         if self.process is None:
             return
@@ -613,7 +613,7 @@ def triton_repository(engine_args: Mapping[str, Any], folder: Path) -> Path:
 
 
 def start_triton(settings: Settings, folder: Path, stack: contextlib.ExitStack) -> TritonServer:
-    from mmserve.triton_server import TritonServer
+    from mmserve_dev.triton import TritonServer
 
     models = sorted({m for s in settings.systems for m in TRITON_MODELS.get(s, ())})
     server = TritonServer(triton_repository(settings.engine_args, folder), load_models=models,

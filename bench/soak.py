@@ -69,7 +69,7 @@ def main() -> int:
     if args.url:
         run(args, args.url, None)
         return report_exit
-    from mmserve.triton_server import TritonServer
+    from mmserve_dev.triton import TritonServer
 
     env = {"MMSERVE_MODEL": str(ROOT / "models" / "qwen2_5_omni"),
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}

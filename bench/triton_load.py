@@ -22,7 +22,7 @@ after the first pass (pass ``--no-prefix-caching`` to serve a copy of the reposi
 A correctness check first sends one request to each target (mmserve's client) and compares the
 greedy tokens.
 
-Reproduce (about 2 minutes on 2 CPU cores, after ``.venv/bin/python -m mmserve.tiny_models``)::
+Reproduce (about 2 minutes on 2 CPU cores, after ``.venv/bin/python -m mmserve_dev.tiny_models``)::
 
     VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python bench/triton_load.py
 
@@ -85,7 +85,7 @@ class Measurement:
 
 # -- request data ----------------------------------------------------------------------------------
 def make_entries(args) -> list[Entry]:
-    from mmserve.samples import encode_audio, encode_image, sample_audio, sample_image
+    from mmserve_dev.samples import encode_audio, encode_image, sample_audio, sample_image
 
     entries = []
     for i in range(args.entries):
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         url = args.url
         if url is None:
-            from mmserve.triton_server import TritonServer
+            from mmserve_dev.triton import TritonServer
 
             repo = repository_without_prefix_caching(folder) if args.no_prefix_caching else ROOT / "model_repository"
             env = {"MMSERVE_MODEL": str(Path(args.model).resolve()),

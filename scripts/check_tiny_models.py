@@ -6,7 +6,7 @@
 
 1. Determinism: builds every family twice into temporary directories and compares the sha256 of
    every file.
-2. Parity: for each family, HF transformers (``mmserve.hf_reference``) and vLLM's offline ``LLM`` on
+2. Parity: for each family, HF transformers (``mmserve_dev.hf_reference``) and vLLM's offline ``LLM`` on
    the CPU decode greedily from the same raw inputs (chat-templated prompt text + PIL images + 16 kHz
    float32 waveforms); the generated token ids and the expanded prompt ids must be identical. Cases:
    images (VL, Omni: small, a second small one that must give different tokens, a large one, two in
@@ -87,7 +87,7 @@ def cases_for(family: str):
 
 
 def check_determinism() -> bool:
-    from mmserve import tiny_models
+    from mmserve_dev import tiny_models
 
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
         start = time.perf_counter()
@@ -115,7 +115,7 @@ def check_determinism() -> bool:
 def check_parity(family: str, path: Path, max_tokens: int, ignore_eos: bool) -> bool:
     from vllm import LLM, SamplingParams
 
-    from mmserve.hf_reference import HFReference, chat_prompt
+    from mmserve_dev.hf_reference import HFReference, chat_prompt
 
     ref = HFReference(family, path)
     cases = cases_for(family)
@@ -202,7 +202,7 @@ def check_parity(family: str, path: Path, max_tokens: int, ignore_eos: bool) -> 
 
 
 def main() -> int:
-    from mmserve import tiny_models
+    from mmserve_dev import tiny_models
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -25,12 +25,12 @@ done
 
 bash scripts/setup_env.sh
 VENV=${MMSERVE_VENV:-$ROOT/.venv}
-"$VENV/bin/python" -m mmserve.tiny_models
+"$VENV/bin/python" -m mmserve_dev.tiny_models
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 
 hint="Try it:
   $VENV/bin/python client/mm_client.py \"Describe the picture.\" --image examples/media/picture.png --audio examples/media/tone.wav --url {grpc}
   $VENV/bin/python client/mm_client.py \"Hello\" --protocol http --url {http} --no-stream"
-exec "$VENV/bin/python" -m mmserve.triton_server --model-repository "$ROOT/model_repository" \
+exec "$VENV/bin/python" -m mmserve_dev.triton --model-repository "$ROOT/model_repository" \
   --http-port "$http" --grpc-port "$grpc" --metrics-port "$metrics" \
   --shm-default-byte-size $((32 * 1024 * 1024)) --keep-loaded mm_llm,mm_ensemble --hint "$hint"

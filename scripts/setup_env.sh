@@ -28,7 +28,7 @@ log() { printf '[setup_env] %s\n' "$*" >&2; }
 
 # The stamp covers every input of the environment: change one and the next run refreshes it.
 stamp_inputs() {
-  cat "$ROOT/scripts/setup_env.sh" "$ROOT/requirements/"*.txt "$ROOT/pyproject.toml"
+  cat "$ROOT/scripts/setup_env.sh" "$ROOT/requirements/"*.txt "$ROOT/pyproject.toml" "$ROOT/tools/pyproject.toml"
   echo "$TORCH_SPEC"
 }
 STAMP_FILE="$VENV/.mmserve-stamp"
@@ -112,13 +112,15 @@ EOF
   chmod +x "$VENV/bin/perf_analyzer"
 fi
 
-# 6. The project itself (editable), which registers the vLLM plugin entry point.
-log "installing the project"
-"${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT"
+# 6. The project itself (editable; it registers the vLLM plugin entry point) and its development
+#    tooling (tools/: the tritonserver launcher, tiny checkpoints, HF reference), which the GPU image
+#    leaves out.
+log "installing the project and its tooling"
+"${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT" -e "$ROOT/tools"
 
 # 7. Smoke check: everything the project imports at run time.
 "$VENV/bin/python" - <<'PY'
-import torch, torchvision, transformers, tritonclient.grpc, vllm  # noqa: F401
+import torch, torchvision, transformers, tritonclient.grpc, vllm, mmserve, mmserve_dev  # noqa: F401
 from importlib.metadata import entry_points
 names = {ep.name for ep in entry_points(group="vllm.general_plugins")}
 assert "mmserve" in names, f"plugin entry point missing: {names}"

@@ -6,7 +6,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 bash scripts/setup_env.sh
 VENV=${MMSERVE_VENV:-$ROOT/.venv}
-"$VENV/bin/python" -m mmserve.tiny_models
+"$VENV/bin/python" -m mmserve_dev.tiny_models
 set +e
 "$VENV/bin/python" -m pytest "$@"
 rc=$?

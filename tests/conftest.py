@@ -34,7 +34,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="session")
 def tiny_models() -> dict[str, Path]:
-    from mmserve.tiny_models import build_all
+    from mmserve_dev.tiny_models import build_all
 
     return build_all(Path(os.environ.get("MMSERVE_MODELS_DIR", ROOT / "models")))
 
@@ -63,8 +63,8 @@ class Request:
 
 def make_request(reference, name: str, parts: list[str], *, seed: int = 0, question: str = "Describe it.") -> Request:
     """Parts like ["image", "audio", "image"], in prompt order; media seeded from ``seed``."""
-    from mmserve.hf_reference import chat_prompt
-    from mmserve.samples import sample_audio, sample_image
+    from mmserve_dev.hf_reference import chat_prompt
+    from mmserve_dev.samples import sample_audio, sample_image
 
     images = [sample_image(seed + 10 * i, size=(112 + 28 * (i % 2), 84)) for i, p in enumerate(parts) if p == "image"]
     audios = [sample_audio(seed + 10 * i, seconds=1.0 + 0.5 * (i % 2)) for i, p in enumerate(parts) if p == "audio"]
@@ -88,7 +88,7 @@ OMNI_CASES: dict[str, list[str]] = {
 
 @pytest.fixture(scope="session")
 def omni_reference(tiny_models):
-    from mmserve.hf_reference import HFReference
+    from mmserve_dev.hf_reference import HFReference
 
     return HFReference("qwen2_5_omni", tiny_models["qwen2_5_omni"])
 
@@ -163,7 +163,7 @@ def server(references, tiny_models):
         yield live.Endpoints(grpc, os.environ.get("MMSERVE_TRITON_HTTP_URL"),
                              f"http://{metrics}/metrics" if metrics else None)
         return
-    from mmserve.triton_server import TritonServer
+    from mmserve_dev.triton import TritonServer
 
     env = {"MMSERVE_MODEL": str(tiny_models["qwen2_5_omni"]),
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}

@@ -44,7 +44,7 @@ class Case:
 
 
 def make_case(name: str, parts: list[str], seed: int) -> Case:
-    from mmserve.samples import encode_audio, encode_image, sample_audio, sample_image
+    from mmserve_dev.samples import encode_audio, encode_image, sample_audio, sample_image
 
     images = [encode_image(sample_image(seed + i, size=(112 + 28 * (i % 2), 84))) for i, p in enumerate(parts) if p == "image"]
     audios = [encode_audio(sample_audio(seed + i, seconds=1.0 + 0.5 * (i % 2))) for i, p in enumerate(parts) if p == "audio"]
@@ -66,7 +66,7 @@ def compute_references(model: str, engine_args: dict[str, Any]) -> dict[str, Cas
     from vllm import SamplingParams
 
     from mmserve.engine import EngineRunner
-    from mmserve.hf_reference import chat_prompt, load_processor
+    from mmserve_dev.hf_reference import chat_prompt, load_processor
 
     processor = load_processor(model)
     params = SamplingParams(**sampling())

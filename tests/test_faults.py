@@ -106,7 +106,7 @@ def test_clean_stop_after_faults(own_server):
     triton = own_server.server
     group = [p.pid for p in psutil.Process(triton.pid).children(recursive=True)
              if p.status() != psutil.STATUS_ZOMBIE] + [triton.pid]
-    from mmserve.triton_server import shm_files_mapped
+    from mmserve_dev.triton import shm_files_mapped
 
     shm = shm_files_mapped(group) | set(triton.shm_files())
     assert shm, "the server maps no shared memory? (the check below would be empty)"

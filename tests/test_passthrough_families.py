@@ -16,7 +16,7 @@ FAMILY_CASES = {
 
 @pytest.fixture(scope="module")
 def references(tiny_models):
-    from mmserve.hf_reference import HFReference
+    from mmserve_dev.hf_reference import HFReference
 
     return {name: HFReference(name, tiny_models[name]) for name in FAMILY_CASES}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmserve.samples import encode_audio, encode_image, sample_audio, sample_image
+from mmserve_dev.samples import encode_audio, encode_image, sample_audio, sample_image
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 MODEL_DIR = Path(__file__).resolve().parents[1] / "model_repository" / "preprocess"

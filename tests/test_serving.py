@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mmserve.samples import encode_audio, encode_image, sample_audio, sample_image
+from mmserve_dev.samples import encode_audio, encode_image, sample_audio, sample_image
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def test_preprocess_matches_the_hf_processor_on_decoded_media(preprocessor, omni
 
     import soundfile
 
-    from mmserve.hf_reference import chat_prompt
+    from mmserve_dev.hf_reference import chat_prompt
 
     image, audio = sample_image(3), sample_audio(3)
     png = encode_image(image)
@@ -54,7 +54,7 @@ def test_audio_features_are_the_full_window_ones_on_the_valid_frames(preprocesso
     """preprocess pads clips just past the longest one (not to the 30-s window) and cuts the
     padding: every valid frame must still be bit-identical to the processor's default output, for
     one or two clips of any length, loud, quiet or silent."""
-    from mmserve.hf_reference import chat_prompt
+    from mmserve_dev.hf_reference import chat_prompt
 
     rng = np.random.default_rng(7)
     for trial in range(12):

@@ -1,4 +1,4 @@
-"""Real tests of mmserve.triton_server: a tritonserver process on this machine, Python-backend models.
+"""Real tests of mmserve_dev.triton: a tritonserver process on this machine, Python-backend models.
 
 One module-scoped server serves two models written into a temporary repository:
   * ``echo``   TYPE_STRING INPUT0 -> OUTPUT0, same value;
@@ -25,7 +25,7 @@ import numpy as np
 import psutil
 import pytest
 
-from mmserve.triton_server import TritonServer, TritonServerError, find_tritonserver
+from mmserve_dev.triton import TritonServer, TritonServerError, find_tritonserver
 
 pytestmark = pytest.mark.server
 
@@ -89,7 +89,7 @@ class TritonPythonModel:
 """
 
 # Every dtype the project sends through Python-backend models, in and out: guards the NumPy 2 patch
-# that mmserve.triton_server applies to the stub (without it, as_numpy() repeats the first element).
+# that mmserve_dev.triton applies to the stub (without it, as_numpy() repeats the first element).
 ALLTYPES = ["BOOL", "UINT8", "INT32", "INT64", "FP16", "FP32", "FP64", "STRING"]
 ALLTYPES_CONFIG = (
     'name: "alltypes"\nbackend: "python"\nmax_batch_size: 0\ninput [\n'
@@ -335,15 +335,15 @@ def test_start_failure_reports_log(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_cli_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
-    """`python -m mmserve.triton_server` in the foreground: prints the endpoints; SIGTERM or Ctrl-C
+    """`python -m mmserve_dev.triton` in the foreground: prints the endpoints; SIGTERM or Ctrl-C
     (SIGINT) stops it with no process and no /dev/shm region left behind."""
     repo = tmp_path / "repo"
     write_model(repo, "echo", ECHO_CONFIG, ECHO_MODEL)
-    from mmserve.triton_server import free_ports
+    from mmserve_dev.triton import free_ports
 
     http, grpc, metrics = free_ports(3)
     cmd = [
-        sys.executable, "-m", "mmserve.triton_server", "--model-repository", str(repo),
+        sys.executable, "-m", "mmserve_dev.triton", "--model-repository", str(repo),
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
         "--start-timeout", "120",
     ]  # fmt: skip

@@ -13,7 +13,7 @@ Errors : [INVALID_ARG] bad input, [UNAVAILABLE] engine failed or restarting, [IN
          (see mmserve.serving.triton).
 Health : a dead or wedged engine fails every request UNAVAILABLE, then the model asks Triton to
          unload it (readiness false); a keeper beside the server loads it back with a new engine
-         (mmserve.serving.keeper; mmserve.triton_server runs one). Needs
+         (mmserve.serving.keeper; mmserve_dev.triton runs one). Needs
          --model-control-mode=explicit (scripts/serve.sh uses it).
 Engine arguments come from model.json beside config.pbtxt; health settings from config.pbtxt
 parameters. The logic lives in mmserve.serving.llm; see docs/tensors.md, docs/RELIABILITY.md.

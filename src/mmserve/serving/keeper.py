@@ -9,7 +9,7 @@ a stub that loads a model after its own unload corrupts its heap, and one that p
 (``boost::interprocess::lock_exception``). So the keeper is a client of Triton's HTTP repository
 API, beside the server: when the first of ``models`` goes from ready to not ready, it loads every
 one of ``models`` that is not ready, in order (``mm_llm``, then ``mm_ensemble``, which Triton
-unloaded with it). ``mmserve.triton_server`` runs one (``scripts/serve.sh``, the tests); elsewhere
+unloaded with it). ``mmserve_dev.triton`` runs one (``scripts/serve.sh``, the tests); elsewhere
 run it as a sidecar (needs ``--model-control-mode=explicit``)::
 
     python -m mmserve.serving.keeper --url 127.0.0.1:8000 mm_llm mm_ensemble

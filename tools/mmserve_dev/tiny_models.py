@@ -12,14 +12,14 @@ Families (``FAMILIES``):
 * ``qwen2_5_omni`` - the Qwen2.5-Omni *thinker* (text + image + audio). The directory holds the full
   ``Qwen2_5OmniConfig`` (architecture ``Qwen2_5OmniModel``, ``enable_audio_output=False``, weights under
   ``thinker.``) because that is what vLLM expects; HF loads the thinker from it (see
-  ``mmserve.hf_reference``). No talker / token2wav weights are written: vLLM skips those prefixes and
+  ``mmserve_dev.hf_reference``). No talker / token2wav weights are written: vLLM skips those prefixes and
   HF builds neither module when audio output is disabled.
 * ``qwen2_5_vl`` - ``Qwen2_5_VLForConditionalGeneration`` (text + image).
 * ``qwen2_audio`` - ``Qwen2AudioForConditionalGeneration`` (text + audio).
 
 Build everything (idempotent; ``--force`` rebuilds)::
 
-    python -m mmserve.tiny_models [--out models] [--family NAME ...] [--force]
+    python -m mmserve_dev.tiny_models [--out models] [--family NAME ...] [--force]
 
 The same builder version and seed give byte-identical files on every build: the tokenizer is trained
 on text generated from a word list embedded below with a seeded ``random.Random``, and every parameter
@@ -727,7 +727,7 @@ def tree_digest(path: Path) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mmserve.tiny_models", description="Build tiny random-weight checkpoints."
+        prog="python -m mmserve_dev.tiny_models", description="Build tiny random-weight checkpoints."
     )
     parser.add_argument(
         "--out", type=Path, default=DEFAULT_ROOT, help=f"root directory (default {DEFAULT_ROOT})"

@@ -6,7 +6,7 @@ measured request is served from what an earlier copy of it left in that engine, 
 benchmark runs with vLLM's prefix cache and multimodal processor cache off (engine arguments) and
 with ``NoReuseEncoderCacheManager`` as its encoder cache, which vLLM can't switch off otherwise::
 
-    {"ec_manager_config": {"encoder_cache_manager_cls": "mmserve.benchmarking.NoReuseEncoderCacheManager"}}
+    {"ec_manager_config": {"encoder_cache_manager_cls": "mmserve_dev.benchmarking.NoReuseEncoderCacheManager"}}
 
 The class is loaded in the engine core process (whoever started it: Triton's ``mm_llm``, ``vllm
 serve``, an ``EngineRunner``), so it lives in the installed package, not beside the benchmark.

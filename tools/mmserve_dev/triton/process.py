@@ -1,38 +1,20 @@
-"""Start and stop a real Triton Inference Server (CPU) on this machine.
+"""A real tritonserver process on 127.0.0.1: start, readiness, and a complete stop.
 
-The ``tritonserver`` 2.51.0 binary, its Python backend and the per-Python backend stubs come from the
-``nvidia-pytriton`` 0.7.0 wheel (installed without its dependencies by ``scripts/setup_env.sh``).
-This module lays out a ``backends/python/`` folder for it once, launches it bound to 127.0.0.1 with
-an environment under which the Python-backend stub runs this virtual env's interpreter and packages,
-waits for readiness, and always tears it down completely: the whole process group (server,
-Python-backend stubs and anything they spawned) and the server's ``/dev/shm`` regions.
-
-NumPy 2: the stub's pybind11 predates NumPy 2 and misreads dtype sizes, so tensors that go through
-numpy arrive wrong (inputs repeat their first element; TYPE_STRING inputs crash the stub; outputs
-made with ``pb_utils.Tensor(name, array)`` are empty). ``prepare_backend_dir`` appends
-``NUMPY2_COMPAT_PATCH`` to its copy of ``triton_python_backend_utils.py``, which fixes all three;
-model code keeps using ``as_numpy()`` and ``pb_utils.Tensor(name, array)`` as usual.
+It launches the server of ``mmserve_dev.triton.install`` bound to 127.0.0.1, waits for readiness, and
+always tears it down completely: the whole process group (server, Python-backend stubs and anything
+they spawned) and the server's ``/dev/shm`` regions.
 
 Library use (tests, benchmarks)::
 
     with TritonServer("model_repository") as server:
         client = tritonclient.grpc.InferenceServerClient(server.grpc_url)
-
-Command line (foreground; Ctrl-C or SIGTERM stops it cleanly)::
-
-    python -m mmserve.triton_server --model-repository model_repository \
-        [--http-port 8000 --grpc-port 8001 --metrics-port 8002] [--log-verbose 1]
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import contextlib
-import dataclasses
 import glob
-import hashlib
-import importlib.util
 import itertools
 import os
 import re
@@ -40,8 +22,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -50,340 +30,11 @@ import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = [
-    "TritonInstall",
-    "TritonServer",
-    "TritonServerError",
-    "find_tritonserver",
-    "free_ports",
-    "main",
-    "prepare_backend_dir",
-    "python_libdir",
-    "remove_stale_shm",
-]
+from mmserve_dev.triton.install import TritonServerError, find_tritonserver, prepare_backend_dir, python_libdir, venv_bin
+
+__all__ = ["TritonServer", "free_ports", "remove_stale_shm", "shm_files_mapped"]
 
 SHM_DIR = Path("/dev/shm")
-_PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
-_STUB_NAME = "triton_python_backend_stub"
-
-
-# Appended to the copy of triton_python_backend_utils.py that prepare_backend_dir lays out (the stub
-# imports that module before it first touches NumPy, and sets pb_utils.Tensor on it afterwards).
-NUMPY2_COMPAT_PATCH = r"""
-
-# ---- mmserve: NumPy 2 compatibility for the Python-backend stub (appended by mmserve.triton_server) ----
-# The stub in nvidia-pytriton 0.7.0 (Triton 2.51) is built with a pybind11 older than 2.12, which reads
-# a dtype's itemsize at NumPy 1's offset in PyArray_Descr. Under NumPy 2 that field holds the dtype's
-# flags (0 for numeric dtypes), so without this patch (1) every input tensor's as_numpy() repeats its
-# first element (and a TYPE_STRING input crashes the stub), and (2) an output built with
-# pb_utils.Tensor(name, numpy_array) carries 0 bytes. The patch (a) hands pybind11 a copy of NumPy's
-# C-API table whose PyArray_NewFromDescr recomputes the strides pybind11 got wrong, (b) builds numeric
-# output tensors through DLPack, whose byte size the stub computes itself, and (c) serializes TYPE_STRING
-# outputs into an array whose dtype pybind11 reads as 1 byte wide while the stub copies them.
-def _mmserve_numpy2_compat():
-    import ctypes
-    import sys as _sys
-
-    if int(np.__version__.split(".")[0]) < 2:
-        return
-    _i32 = np.dtype(np.int32)
-    if (ctypes.c_int64.from_address(id(_i32) + 40).value != 4
-            or ctypes.c_uint64.from_address(id(_i32) + 32).value != 0):
-        print("mmserve numpy2 compat: unexpected PyArray_Descr layout; not patching", file=_sys.stderr)
-        return
-
-    import numpy.core.multiarray as _legacy_multiarray  # the module pybind11 < 2.12 takes the C-API from
-    from numpy._core import _multiarray_umath
-
-    # A private handle on the C API: ctypes.pythonapi's function objects are shared, and other
-    # libraries (dill, tritonclient) set their argtypes to what suits them.
-    pythonapi = ctypes.PyDLL(None)
-    get_pointer = pythonapi.PyCapsule_GetPointer
-    get_pointer.restype = ctypes.c_void_p
-    get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-    new_capsule = pythonapi.PyCapsule_New
-    new_capsule.restype = ctypes.py_object
-    new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-
-    n_slots = 300  # pybind11 uses slots up to 282 (PyArray_SetBaseObject)
-    original = (ctypes.c_void_p * n_slots).from_address(get_pointer(_multiarray_umath._ARRAY_API, None))
-    table = (ctypes.c_void_p * n_slots)(*original)
-    ssize_p = ctypes.POINTER(ctypes.c_ssize_t)
-    proto = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ssize_p, ssize_p,
-             ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
-    new_from_descr = ctypes.PYFUNCTYPE(*proto)(original[94])  # PyArray_NewFromDescr; keeps the GIL
-
-    def patched_new_from_descr(subtype, descr, nd, dims, strides, data, flags, obj):
-        if strides and nd > 0 and descr:
-            real = ctypes.c_int64.from_address(descr + 40).value
-            seen = ctypes.c_int32.from_address(descr + 32).value  # what pybind11 took for the itemsize
-            if real != seen:
-                expected, fixed, step_seen, step_real = [], [], seen, real
-                for axis in range(nd - 1, -1, -1):
-                    expected.append(step_seen)
-                    fixed.append(step_real)
-                    step_seen *= dims[axis]
-                    step_real *= dims[axis]
-                if [strides[axis] for axis in range(nd - 1, -1, -1)] == expected:
-                    strides = (ctypes.c_ssize_t * nd)(*reversed(fixed))
-        return new_from_descr(subtype, descr, nd, dims, strides, data, flags, obj)
-
-    hook = ctypes.CFUNCTYPE(*proto)(patched_new_from_descr)
-    table[94] = ctypes.cast(hook, ctypes.c_void_p).value
-    _legacy_multiarray._ARRAY_API = new_capsule(ctypes.addressof(table), None, None)
-    _mmserve_numpy2_compat.keep = (table, hook, new_from_descr)  # the table and the hook must live on
-
-    # (c) TYPE_STRING outputs: the stub takes size * "itemsize" of what serialize_byte_tensor returns.
-    import threading
-
-    original_serialize = serialize_byte_tensor
-    pending = threading.local()
-
-    def serialize_byte_tensor_numpy2(input_tensor):
-        flat = original_serialize(input_tensor)
-        if not isinstance(flat, bytes):
-            return flat
-        dtype = np.dtype([("b", np.uint8)])  # a fresh descriptor object, private to this array
-        arr = np.frombuffer(flat, dtype=np.uint8).copy().view(dtype)
-        # pybind11 reads the low 32 bits of flags as the itemsize: make them 1 (NPY_ITEM_REFCOUNT, which a
-        # structured dtype with one uint8 field tolerates); Tensor() resets them once the stub has copied.
-        ctypes.c_uint64.from_address(id(dtype) + 32).value = 1
-        if getattr(pending, "dtypes", None) is not None:
-            pending.dtypes.append(dtype)
-        return arr
-
-    globals()["serialize_byte_tensor"] = serialize_byte_tensor_numpy2
-
-    # The stub marks a consumed capsule "used_dlpack"; the producer's destructor expects the standard
-    # "used_dltensor" and otherwise prints "PyCapsule_GetPointer called with incorrect name" per tensor.
-    capsule_is_valid = pythonapi.PyCapsule_IsValid
-    capsule_is_valid.restype = ctypes.c_int
-    capsule_is_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
-    capsule_set_name = pythonapi.PyCapsule_SetName
-    capsule_set_name.restype = ctypes.c_int
-    capsule_set_name.argtypes = [ctypes.py_object, ctypes.c_void_p]
-    used_name = ctypes.create_string_buffer(b"used_dltensor")
-
-    def _from_dlpack(c_tensor, name, obj):
-        try:
-            on_cpu = obj.__dlpack_device__()[0] in (1, 3)  # kDLCPU, kDLCUDAHost
-        except Exception:
-            on_cpu = False
-        if not on_cpu:
-            return c_tensor.from_dlpack(name, obj)
-        capsule = obj.__dlpack__()
-        tensor = c_tensor.from_dlpack(name, capsule)
-        if capsule_is_valid(capsule, b"used_dlpack"):
-            capsule_set_name(capsule, ctypes.addressof(used_name))
-        return tensor
-
-    _mmserve_numpy2_compat.keep += (used_name,)
-
-    class _TensorMeta(type):
-        def __instancecheck__(cls, obj):
-            return isinstance(obj, cls._c_tensor)
-
-        def __call__(cls, name, array):
-            c_tensor = cls._c_tensor
-            array = np.asarray(array)
-            if array.dtype.kind == "U":
-                array = array.astype(np.object_)
-            if array.dtype.kind in "OS":
-                pending.dtypes = []
-                try:
-                    return c_tensor(name, array)
-                finally:
-                    for dtype in pending.dtypes:
-                        ctypes.c_uint64.from_address(id(dtype) + 32).value = 0
-                    pending.dtypes = None
-            # (b) numeric: through DLPack (the stub computes the byte size from shape and dtype).
-            if not array.flags.c_contiguous:
-                array = array.copy(order="C")
-            return _from_dlpack(c_tensor, name, array)
-
-    class _ModuleWithCompatTensor(type(_sys.modules[__name__])):
-        def __setattr__(self, attr, value):
-            if attr == "Tensor" and not isinstance(value, _TensorMeta):
-                value = _TensorMeta("Tensor", (), {
-                    "_c_tensor": value,
-                    "from_dlpack": staticmethod(lambda name, obj, _c=value: _from_dlpack(_c, name, obj)),
-                    "__doc__": value.__doc__,
-                })
-            super().__setattr__(attr, value)
-
-    _sys.modules[__name__].__class__ = _ModuleWithCompatTensor
-
-    try:  # self-test: pybind11 must take NumPy's C-API from the patched table (it does so on first use)
-        import c_python_backend_utils
-    except ImportError:  # not inside the stub
-        return
-    try:
-        probe = np.arange(3, dtype=np.int32)
-        if _from_dlpack(c_python_backend_utils.Tensor, "probe", probe).as_numpy().tolist() != [0, 1, 2]:
-            print("mmserve numpy2 compat: self-test failed; tensors will be wrong", file=_sys.stderr)
-    except Exception as exc:
-        print(f"mmserve numpy2 compat: self-test error: {exc!r}", file=_sys.stderr)
-
-
-_mmserve_numpy2_compat()
-"""
-
-
-class TritonServerError(RuntimeError):
-    """The server could not be found, started or became ready."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Locating the installation
-
-
-@dataclasses.dataclass(frozen=True)
-class TritonInstall:
-    """Paths of the tritonserver installation inside the nvidia-pytriton package."""
-
-    root: Path  # .../site-packages/pytriton/tritonserver
-    binary: Path  # root/bin/tritonserver
-    python_backend_dir: Path  # root/backends/python (libtriton_python.so, triton_python_backend_utils.py)
-    stubs_dir: Path  # root/python_backend_stubs/<X.Y>/triton_python_backend_stub
-    libs_dir: Path  # .../site-packages/nvidia_pytriton.libs
-
-    def stub(self, python_version: str | None = None) -> Path:
-        """The Python-backend stub built for ``python_version`` ("3.11"; default: this interpreter)."""
-        version = python_version or "{}.{}".format(*sys.version_info[:2])
-        path = self.stubs_dir / version / _STUB_NAME
-        if not path.is_file():
-            have = sorted(p.parent.name for p in self.stubs_dir.glob(f"*/{_STUB_NAME}"))
-            raise TritonServerError(f"no Python-backend stub for Python {version} in {self.stubs_dir} (have {have})")
-        return path
-
-
-def find_tritonserver() -> TritonInstall:
-    """Locate tritonserver, its Python backend, the stubs and the bundled libraries.
-
-    The ``pytriton`` package is located without importing it (its ``__init__`` pulls in its client).
-    """
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        raise TritonServerError(
-            "nvidia-pytriton is not installed (it carries the tritonserver binary); run scripts/setup_env.sh"
-        )
-    package_dir = Path(next(iter(spec.submodule_search_locations)))
-    root = package_dir / "tritonserver"
-    install = TritonInstall(
-        root=root,
-        binary=root / "bin" / "tritonserver",
-        python_backend_dir=root / "backends" / "python",
-        stubs_dir=root / "python_backend_stubs",
-        libs_dir=package_dir.parent / "nvidia_pytriton.libs",
-    )
-    missing = [
-        str(p)
-        for p in (
-            install.binary,
-            install.libs_dir,
-            install.stubs_dir,
-            *(install.python_backend_dir / f for f in _PYTHON_BACKEND_FILES),
-        )
-        if not p.exists()
-    ]
-    if missing:
-        raise TritonServerError(f"incomplete tritonserver installation in {package_dir}: missing {missing}")
-    return install
-
-
-def python_libdir() -> Path:
-    """The directory of the shared libpython this interpreter was built with (pyenv's ``lib/``).
-
-    It must come first on LD_LIBRARY_PATH: otherwise the stub may load the system's libpython3.11
-    (a different patch release) against this interpreter's standard library.
-    """
-    candidates = []
-    libdir = sysconfig.get_config_var("LIBDIR")  # in a venv: the base interpreter's build config
-    if libdir:
-        candidates.append(Path(libdir))
-    candidates.append(Path(sys.base_prefix) / "lib")
-    soname = "libpython{}.{}.so".format(*sys.version_info[:2])
-    for cand in candidates:
-        if any(cand.glob(soname + "*")):
-            return cand
-    raise TritonServerError(
-        f"no shared {soname} next to this interpreter (looked in {[str(c) for c in candidates]}); "
-        "the Python-backend stub needs a Python built with --enable-shared"
-    )
-
-
-def _venv_bin() -> Path:
-    """The bin/ folder of the running virtual env (or of the interpreter when not in one)."""
-    if sys.prefix != sys.base_prefix:
-        return Path(sys.prefix) / "bin"
-    return Path(sys.executable).parent
-
-
-def _default_cache_dir() -> Path:
-    base = os.environ.get("MMSERVE_CACHE_DIR")
-    if base:
-        return Path(base) / "triton"
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "mmserve" / "triton"
-
-
-def prepare_backend_dir(
-    cache_dir: str | os.PathLike[str] | None = None,
-    install: TritonInstall | None = None,
-    *,
-    numpy2_compat: bool = True,
-) -> Path:
-    """Lay out ``<cache_dir>/backends/python/`` for ``--backend-directory`` and return ``<cache_dir>/backends``.
-
-    It holds copies of libtriton_python.so, triton_python_backend_utils.py and the stub for this
-    interpreter's Python version. With ``numpy2_compat`` (the default) NUMPY2_COMPAT_PATCH is appended
-    to triton_python_backend_utils.py: without it, tensors passed through numpy are wrong under NumPy 2
-    (see the patch's comment). Created once (atomically, so concurrent callers are safe) and reused
-    while the sources and the patch are unchanged.
-    """
-    install = install or find_tritonserver()
-    version = "{}.{}".format(*sys.version_info[:2])
-    sources = {name: install.python_backend_dir / name for name in _PYTHON_BACKEND_FILES}
-    sources[_STUB_NAME] = install.stub(version)
-    patch = NUMPY2_COMPAT_PATCH if numpy2_compat else ""
-    fingerprint = "\n".join(
-        [f"{n} {src.resolve()} {src.stat().st_size} {src.stat().st_mtime_ns}" for n, src in sorted(sources.items())]
-        + [f"patch {hashlib.sha256(patch.encode()).hexdigest()}"]
-    )
-
-    cache = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
-    backends = cache / "backends"
-    target = backends / "python"
-    stamp = target / ".mmserve-source"
-    if stamp.is_file() and stamp.read_text() == fingerprint and all((target / n).is_file() for n in sources):
-        return backends
-
-    backends.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".python-", dir=backends))
-    try:
-        for name, src in sources.items():
-            shutil.copy2(src, staging / name)
-        if patch:
-            utils = staging / "triton_python_backend_utils.py"
-            utils.write_text(utils.read_text() + patch)
-        (staging / ".mmserve-source").write_text(fingerprint)
-        old = None
-        if target.exists():
-            old = backends / f".old-python-{os.getpid()}-{time.monotonic_ns()}"
-            with contextlib.suppress(OSError):
-                target.rename(old)
-        try:
-            staging.rename(target)
-        except OSError:
-            # Another process won the race; use its copy if complete.
-            if not (stamp.is_file() and stamp.read_text() == fingerprint):
-                raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return backends
 
 
 def free_ports(count: int = 3, host: str = "127.0.0.1") -> list[int]:
@@ -634,7 +285,7 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(ld)
         # The stub's embedded interpreter takes its prefix (and so site-packages) from the first
         # python3 on PATH; PYTHONPATH is ignored by it.
-        path = [str(_venv_bin())]
+        path = [str(venv_bin())]
         if env.get("PATH"):
             path.append(env["PATH"])
         env["PATH"] = os.pathsep.join(path)
@@ -838,86 +489,3 @@ class TritonServer:
         state = "running" if self.is_running() else "stopped"
         repos = [str(p) for p in self.model_repositories]
         return f"TritonServer({repos}, http={self.http_url}, grpc={self.grpc_url}, {state})"
-
-
-# --------------------------------------------------------------------------------------------------
-# Command line
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m mmserve.triton_server",
-        description="Run tritonserver (CPU, Python backend) in the foreground on 127.0.0.1.",
-    )
-    parser.add_argument("--model-repository", required=True, action="append", help="may be repeated")
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--log-verbose", type=int, default=0)
-    parser.add_argument("--log-file", default=None, help="server log (default: a temporary file)")
-    parser.add_argument("--shm-default-byte-size", type=int, default=None)
-    parser.add_argument("--backend-config", action="append", default=[], help="BACKEND,KEY=VALUE; may be repeated")
-    parser.add_argument("--model-control-mode", default="explicit", choices=["none", "explicit", "poll"],
-                        help="explicit (default) lets mm_llm reload itself after an engine failure")
-    parser.add_argument("--load-model", action="append", default=None, help="explicit mode; default: all")
-    parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for readiness")
-    parser.add_argument("--keep-loaded", default="", metavar="MODEL,MODEL",
-                        help="load these back when the first unloads itself after a fault (mmserve.serving.keeper)")
-    parser.add_argument("--hint", default="", help="printed once ready; {http} and {grpc} are replaced by the URLs")
-    args = parser.parse_args(argv)
-
-    server = TritonServer(
-        args.model_repository,
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port,
-        log_verbose=args.log_verbose,
-        log_file=args.log_file,
-        backend_config=args.backend_config,
-        model_control_mode=args.model_control_mode,
-        load_models=args.load_model or ("*",),
-        shm_default_byte_size=args.shm_default_byte_size,
-        keep_loaded=[name for name in args.keep_loaded.split(",") if name],
-    )
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    # Ctrl-C even when started in the background by a non-interactive shell (which ignores SIGINT).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    with contextlib.suppress(AttributeError):
-        signal.signal(signal.SIGHUP, on_sigterm)
-    try:
-        print(f"starting tritonserver (log: {server.log_path}) ...", flush=True)
-        t0 = time.monotonic()
-        server.start(timeout=args.start_timeout)
-        print(f"ready in {time.monotonic() - t0:.1f} s", flush=True)
-        print(f"HTTP     {server.http_url}", flush=True)
-        print(f"gRPC     {server.grpc_url}", flush=True)
-        print(f"metrics  {server.metrics_url}", flush=True)
-        if args.hint:
-            print(args.hint.format(http=server.http_url, grpc=server.grpc_url), flush=True)
-        print("Ctrl-C to stop", flush=True)
-        while server.is_running():
-            time.sleep(0.5)
-        print(f"tritonserver exited by itself (code {server.process.returncode}); log tail:", file=sys.stderr)
-        print(server.log_tail(), file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("stopping ...", flush=True)
-        return 0
-    except TritonServerError as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    finally:
-        # Ignore further Ctrl-C/SIGTERM while tearing down, so cleanup can't be interrupted.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        code = server.stop()
-        if code is not None:
-            print(f"stopped (exit code {code})", flush=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
