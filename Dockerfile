@@ -1,11 +1,12 @@
 # mmserve GPU image: Triton Inference Server (Python backend) + vLLM 0.32.0 (CUDA) + this project.
 #
 #   docker build -t mmserve .
-#   docker run --gpus all --shm-size=2g -p 8000-8002:8000-8002 mmserve        # tiny built-in model
-#   docker run --gpus all --shm-size=2g -p 8000-8002:8000-8002 \
+#   docker run --gpus all --shm-size=2g --stop-timeout=40 -p 8000-8002:8000-8002 mmserve   # tiny built-in model
+#   docker run --gpus all --shm-size=2g --stop-timeout=40 -p 8000-8002:8000-8002 \
 #       -v /path/to/Qwen2.5-Omni-7B:/models/omni:ro -e MMSERVE_MODEL=/models/omni mmserve
 #
-# See docker/README.md. Versions:
+# It runs as the non-root user triton-server (UID/GID 1000): a mounted checkpoint must be readable by it.
+# See docker/README.md; Kubernetes: deploy/kubernetes/, docs/DEPLOYMENT.md. Versions:
 # * tritonserver 25.10 (Triton 2.62): Ubuntu 24.04 with Python 3.12, CUDA 13.0.2. vLLM 0.32.0 needs
 #   Python >=3.11,<3.15 (the 24.xx releases before 24.12 ship 3.10); its torch 2.13.0 from PyPI is a
 #   CUDA 13.0 build, the same CUDA minor as this base (host driver R580 or later).
@@ -91,6 +92,25 @@ ENV HF_HUB_OFFLINE=1 \
 
 EXPOSE 8000 8001 8002
 
+# The user the server runs as: `triton-server`, UID/GID 1000. NGC's tritonserver images create it
+# themselves (Triton's build.py: useradd triton-server, then asserts UID and GID 1000, after deleting
+# Ubuntu 24.04's own UID-1000 user `ubuntu`), without a home directory; created here only if missing
+# (another base image), so the build works either way and fails if UID 1000 is someone else. Its home
+# holds what vLLM, FlashInfer and OpenAI Triton compile and cache at run time (~/.cache, ~/.triton);
+# made here, after every build step that runs as root, so that nothing root-owned lands in it.
+RUN if ! id -u triton-server >/dev/null 2>&1; then \
+        if id -u ubuntu >/dev/null 2>&1; then userdel ubuntu; fi; \
+        if getent group ubuntu >/dev/null; then groupdel ubuntu; fi; \
+        useradd --uid 1000 --user-group --shell /bin/bash triton-server; \
+    fi \
+    && [ "$(id -u triton-server)" -eq 1000 ] && [ "$(id -g triton-server)" -eq 1000 ] \
+    && mkdir -p /home/triton-server/.cache \
+    && chown -R 1000:1000 /home/triton-server
+ENV HOME=/home/triton-server
+
+# Everything above is root's and world-readable; the server writes only to /dev/shm and its home.
+USER 1000:1000
+
 # Ready only once every model (the vLLM engine included) has loaded: give a 7B checkpoint time.
 # DL3025 (JSON form) is ignored on purpose: Docker wants exit status 1 for "unhealthy" (2 is reserved),
 # and the shell maps curl's own codes (7, 22, 28, ...) to 1.
@@ -101,9 +121,12 @@ HEALTHCHECK --interval=30s --timeout=10s --start-period=900s --retries=3 \
 # The NGC image's entrypoint (/opt/nvidia/nvidia_entrypoint.sh) stays; it execs this command. The
 # Python backend's shared-memory pool starts at 32 MiB per model instance (as in the test suite's
 # server) instead of 1 MiB, for image/audio feature tensors: run with --shm-size (docker/README.md).
-# Explicit model control with every model loaded: mm_llm reloads itself after an engine failure
-# (docs/RELIABILITY.md).
+# Explicit model control with every model loaded: mm_llm unloads itself after an engine failure and
+# the keeper loads it back (docs/RELIABILITY.md). On SIGTERM tritonserver finishes what is in flight
+# and unloads the models within --exit-timeout-secs (Triton's default, spelled out): stop the container
+# with more time than that (docker run --stop-timeout=40; Kubernetes: terminationGracePeriodSeconds).
 CMD ["tritonserver", "--model-repository=/opt/mmserve/model_repository", \
      "--model-control-mode=explicit", "--load-model=*", \
      "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", \
+     "--exit-timeout-secs=30", \
      "--backend-config=python,shm-default-byte-size=33554432"]

@@ -226,7 +226,9 @@ def parse_settings(argv: Sequence[str]) -> Settings:
         parser.error(f"the checkpoint takes {sorted(takes)}: workloads {sorted(set(args.workloads) - set(usable))} "
                      "are not possible")
     out = args.out or (Path(tempfile.mkdtemp(prefix="mmserve-peers-")) if args.quick else ROOT / "docs")
-    model_env = f"MMSERVE_MODEL={shlex.quote(os.environ['MMSERVE_MODEL'])} " if os.environ.get("MMSERVE_MODEL") else ""
+    from mmserve.settings import MODEL
+
+    model_env = f"{MODEL.name}={shlex.quote(MODEL.get())} " if MODEL.get() else ""
     return Settings(
         systems=tuple(s for s in SYSTEMS if s in args.systems),
         workloads=tuple(w for w in WORKLOADS if w in (args.workloads or usable)),

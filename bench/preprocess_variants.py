@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from mmserve_dev.samples import AUDIO_SAMPLE_RATE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +42,7 @@ def png(seed: int, size: int = 448) -> bytes:
 
 
 def clip(seed: int, seconds: float = 3.0) -> np.ndarray:
-    return (np.random.default_rng(seed + 1000).standard_normal(int(seconds * 16000)) * 0.1).astype(np.float32)
+    return (np.random.default_rng(seed + 1000).standard_normal(int(seconds * AUDIO_SAMPLE_RATE)) * 0.1).astype(np.float32)
 
 
 def timed(call: Callable[[], Any]) -> tuple[float, Any]:
@@ -98,7 +99,7 @@ def main() -> None:
     prompt = preprocessor.chat_prompt("Describe.", 0, 1)
 
     def window(seed: int) -> dict[str, Any]:
-        out = processor(text=[prompt], audio=[clip(seed)], sampling_rate=16000, return_tensors="np")
+        out = processor(text=[prompt], audio=[clip(seed)], sampling_rate=AUDIO_SAMPLE_RATE, return_tensors="np")
         return {name: out[name] for name in ("input_ids", "input_features", "feature_attention_mask")}
 
     def trimmed(seed: int) -> dict[str, Any]:

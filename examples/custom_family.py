@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from mmserve.errors import ProcessedInputError
 from mmserve.families import FamilySpec, FieldSpec, ModalitySpec
@@ -30,7 +31,7 @@ class MaskedAudio(ModalitySpec):
         FieldSpec("audio_attention_masks", "int64", ("clips", "positions"), "1 for each audio embedding"),
     )
 
-    def validate(self, data: Mapping[str, torch.Tensor], mm_config: Any) -> None:
+    def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
         values, masks = data["audio_values"], data["audio_attention_masks"]
         if values.shape[0] != masks.shape[0] or values.shape[0] == 0:
             raise ProcessedInputError(
@@ -44,15 +45,15 @@ class MaskedAudio(ModalitySpec):
                     expected="at least one unmasked position", found="none",
                 )
 
-    def fields_config(self, data: Mapping[str, torch.Tensor], mm_config: Any) -> Mapping[str, Any]:
-        from vllm.multimodal.inputs import MultiModalFieldConfig
+    def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
+        from mmserve.vllm_seam import MultiModalFieldConfig
 
         return {
             "audio_values": MultiModalFieldConfig.batched("audio"),
             "audio_attention_masks": MultiModalFieldConfig.batched("audio"),
         }
 
-    def expected_tokens(self, item: Mapping[str, torch.Tensor], mm_config: Any) -> int:
+    def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
         return int(item["audio_attention_masks"].sum())
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:

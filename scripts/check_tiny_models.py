@@ -63,23 +63,23 @@ def make_audio(seconds: float, freq: float):
     return (0.3 * np.sin(2 * np.pi * freq * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
 
 
-def cases_for(family: str):
+def cases_for(family_name: str):
     """(name, parts, images, audios) for the family."""
     img1, img2, large = make_images()
     short = make_audio(1.5, 440.0)
     long = make_audio(5.3, 660.0)  # > 2 s: several of the Omni audio encoder's windows
     describe = "text:Describe the picture."
     cases = []
-    if family in ("qwen2_5_vl", "qwen2_5_omni"):
+    if family_name in ("qwen2_5_vl", "qwen2_5_omni"):
         cases.append(("image", ["image", describe], [img1], []))
         cases.append(("image2", ["image", describe], [img2], []))
         cases.append(("image_large", ["image", describe], [large], []))
         cases.append(("two_images", ["image", "image", "text:Compare them."], [img1, large], []))
-    if family in ("qwen2_audio", "qwen2_5_omni"):
+    if family_name in ("qwen2_audio", "qwen2_5_omni"):
         cases.append(("audio", ["audio", "text:What is that sound?"], [], [short]))
         cases.append(("audio_long", ["audio", "text:What is that sound?"], [], [long]))
         cases.append(("two_audios", ["audio", "audio", "text:Compare them."], [], [short, long]))
-    if family == "qwen2_5_omni":
+    if family_name == "qwen2_5_omni":
         cases.append(("image+audio", ["image", "audio", "text:Describe both."], [img1], [short]))
         cases.append(("audio+image", ["audio", "text:Listen, then look:", "image"], [large], [long]))
     cases.append(("text", ["text:Hello, who are you?"], [], []))
@@ -98,12 +98,12 @@ def check_determinism() -> bool:
         rerun = time.perf_counter() - start
         tiny_models.build_all(Path(b))
         ok = True
-        for family in tiny_models.FAMILIES:
-            da = tiny_models.tree_digest(Path(a) / family)
-            db = tiny_models.tree_digest(Path(b) / family)
+        for family_name in tiny_models.FAMILY_NAMES:
+            da = tiny_models.tree_digest(Path(a) / family_name)
+            db = tiny_models.tree_digest(Path(b) / family_name)
             same = da == db
             ok &= same
-            print(f"determinism {family}: {'IDENTICAL' if same else 'DIFFERENT'} ({len(da)} files)")
+            print(f"determinism {family_name}: {'IDENTICAL' if same else 'DIFFERENT'} ({len(da)} files)")
             if not same:
                 for name in sorted(set(da) | set(db)):
                     if da.get(name) != db.get(name):
@@ -112,16 +112,15 @@ def check_determinism() -> bool:
     return ok
 
 
-def check_parity(family: str, path: Path, max_tokens: int, ignore_eos: bool) -> bool:
+def check_parity(family_name: str, path: Path, max_tokens: int, ignore_eos: bool) -> bool:
+    from mmserve_dev.hf_reference import HFReference, chat_prompt
     from vllm import LLM, SamplingParams
 
-    from mmserve_dev.hf_reference import HFReference, chat_prompt
-
-    ref = HFReference(family, path)
-    cases = cases_for(family)
+    ref = HFReference(family_name, path)
+    cases = cases_for(family_name)
     hf_results, hf_prompt_ids = {}, {}
     for name, parts, images, audios in cases:
-        prompt = chat_prompt(family, ref.processor, parts)
+        prompt = chat_prompt(family_name, ref.processor, parts)
         hf_prompt_ids[name] = ref.processor_inputs(prompt, images, audios)["input_ids"][0].tolist()
         hf_results[name] = ref.generate(
             prompt, images, audios, max_new_tokens=max_tokens, ignore_eos=ignore_eos
@@ -131,17 +130,17 @@ def check_parity(family: str, path: Path, max_tokens: int, ignore_eos: bool) -> 
     llm = LLM(
         model=str(path),
         max_model_len=4096,
-        limit_mm_per_prompt=LIMITS[family],
+        limit_mm_per_prompt=LIMITS[family_name],
         dtype="float32",
         enforce_eager=True,
         max_num_seqs=4,
         seed=0,
     )
-    print(f"[{family}] engine start: {time.perf_counter() - start:.1f}s")
+    print(f"[{family_name}] engine start: {time.perf_counter() - start:.1f}s")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     requests = []
     for name, parts, images, audios in cases:
-        request = {"prompt": chat_prompt(family, ref.processor, parts)}
+        request = {"prompt": chat_prompt(family_name, ref.processor, parts)}
         mm = {}
         if images:
             mm["image"] = images if len(images) > 1 else images[0]
@@ -152,7 +151,7 @@ def check_parity(family: str, path: Path, max_tokens: int, ignore_eos: bool) -> 
         requests.append(request)
     start = time.perf_counter()
     outputs = llm.generate(requests, params, use_tqdm=False)
-    print(f"[{family}] vLLM generate ({len(requests)} requests): {time.perf_counter() - start:.1f}s")
+    print(f"[{family_name}] vLLM generate ({len(requests)} requests): {time.perf_counter() - start:.1f}s")
 
     ok = True
     for (name, _, _, _), output in zip(cases, outputs):
@@ -162,7 +161,7 @@ def check_parity(family: str, path: Path, max_tokens: int, ignore_eos: bool) -> 
         prompt_match = hf_prompt_ids[name] == list(output.prompt_token_ids)
         ok &= match and prompt_match
         print(
-            f"[{family}] {name:12s} {'MATCH' if match else 'MISMATCH'}"
+            f"[{family_name}] {name:12s} {'MATCH' if match else 'MISMATCH'}"
             f" (prompt ids {'equal' if prompt_match else 'DIFFER'}, {len(hf_prompt_ids[name])} tokens)"
         )
         distinct = len(set(hf_ids))
@@ -172,7 +171,7 @@ def check_parity(family: str, path: Path, max_tokens: int, ignore_eos: bool) -> 
             print(f"    vllm {vllm_ids}")
     # EOS handling over a long text generation: stop at EOS vs ignore_eos (which continues past it).
     eos_ids = set(ref.model.generation_config.eos_token_id or [])
-    prompt = chat_prompt(family, ref.processor, ["text:Hello."])
+    prompt = chat_prompt(family_name, ref.processor, ["text:Hello."])
     for keep_eos in (True, False):
         hf_ids = ref.generate(prompt, max_new_tokens=EOS_CHECK_TOKENS, ignore_eos=not keep_eos)
         out = llm.generate(
@@ -186,7 +185,7 @@ def check_parity(family: str, path: Path, max_tokens: int, ignore_eos: bool) -> 
         eos_at = [i for i, t in enumerate(hf_ids) if t in eos_ids]
         mode = "stop at EOS" if keep_eos else "ignore_eos "
         print(
-            f"[{family}] long text, {mode} {'MATCH' if match else 'MISMATCH'}: "
+            f"[{family_name}] long text, {mode} {'MATCH' if match else 'MISMATCH'}: "
             f"{len(hf_ids)} tokens, EOS at {eos_at[:4]}"
         )
         if not match:
@@ -194,7 +193,7 @@ def check_parity(family: str, path: Path, max_tokens: int, ignore_eos: bool) -> 
     if "image" in hf_results and "image2" in hf_results:
         differ = hf_results["image"] != hf_results["image2"]
         ok &= differ
-        print(f"[{family}] two images give {'different' if differ else 'THE SAME'} tokens")
+        print(f"[{family_name}] two images give {'different' if differ else 'THE SAME'} tokens")
 
     del llm
     gc.collect()
@@ -208,7 +207,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--models", type=Path, default=tiny_models.DEFAULT_ROOT)
-    parser.add_argument("--family", action="append", choices=tiny_models.FAMILIES)
+    parser.add_argument("--family", dest="family_name", action="append", choices=tiny_models.FAMILY_NAMES)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--skip-determinism", action="store_true")
     parser.add_argument(
@@ -219,10 +218,10 @@ def main() -> int:
     ok = True
     if not args.skip_determinism:
         ok &= check_determinism()
-    families = tuple(args.family or tiny_models.FAMILIES)
+    families = tuple(args.family_name or tiny_models.FAMILY_NAMES)
     paths = tiny_models.build_all(args.models, families=families)
-    for family in families:
-        ok &= check_parity(family, paths[family], args.max_tokens, ignore_eos=not args.keep_eos)
+    for family_name in families:
+        ok &= check_parity(family_name, paths[family_name], args.max_tokens, ignore_eos=not args.keep_eos)
     print("ALL OK" if ok else "FAILURES")
     return 0 if ok else 1
 

@@ -3,7 +3,8 @@ mm_llm directly, gRPC streaming and HTTP generate, errors, cancellation, metrics
 
 Reference: the offline vLLM engine (same engine arguments as model_repository/mm_llm/model.json) on
 the same raw inputs, computed before the server starts (one engine at a time on 2 cores). The
-server and the references are session fixtures (conftest.py), shared with test_e2e_reliability.py.
+server and the references are session fixtures (conftest.py), shared with test_e2e_inputs.py and
+test_faults.py. Requests go through the project's client (mmserve.client), as a user's would.
 
 Against an already running server or container (serving the tiny default model), set
 ``MMSERVE_TRITON_GRPC_URL`` (and ``MMSERVE_TRITON_HTTP_URL``, ``MMSERVE_TRITON_METRICS_URL``), e.g.
@@ -13,7 +14,6 @@ Against an already running server or container (serving the tiny default model),
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import threading
 import time
@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT
-from live import CASES, ENTRIES, MAX_TOKENS, client as _client, generated_after_cancel, grpc_stream, metric
-from live import sampling as _sampling
+from mmserve import settings
+from utils import CASES, ENTRIES, MAX_TOKENS, ROOT, generated_after_cancel, http_generate, metric, send_tensors
+from utils import client as _client
+from utils import sampling as _sampling
 
 pytestmark = pytest.mark.server
 
@@ -61,12 +62,10 @@ def test_http_generate_agrees_with_grpc(server, references):
         assert http.generate(case.text, case.images, case.audios, **_sampling()).text == case.output
         assert http.generate(case.text, case.images, case.audios, stream=True, **_sampling()).text == case.output
 
-    import requests
+    status, body = http_generate(server, "mm_ensemble", {"text_input": "x", "image": ["data:image/png;base64,AAAA"]})
+    assert status == 400
+    assert "image[0]: cannot decode 3 bytes as an image" in body["error"]
 
-    bad = requests.post(f"http://{server.http}/v2/models/mm_ensemble/generate", timeout=60,
-                        json={"text_input": "x", "image": ["data:image/png;base64,AAAA"]})
-    assert bad.status_code == 400
-    assert "image[0]: cannot decode 3 bytes as an image" in bad.json()["error"]
 
 def test_input_echoed_unless_excluded(server, references):
     case = references["text_only#3"]
@@ -144,15 +143,10 @@ def test_bad_requests_get_precise_errors_and_the_server_keeps_serving(server, re
 
 def _send_to_mm_llm(server, tensors: dict[str, np.ndarray]) -> None:
     sampling = np.array([json.dumps(_sampling()).encode()], dtype=object)
-    grpc_stream(server, "mm_llm", {**tensors, "sampling_parameters": sampling})
+    send_tensors(server, "mm_llm", {**tensors, "sampling_parameters": sampling})
 
 
-def _long_generation(stream: bool) -> dict[str, np.ndarray]:
-    return {
-        "text_input": np.array([b"Count."], dtype=object),
-        "stream": np.array([stream]),
-        "sampling_parameters": np.array([json.dumps({"max_tokens": 3000, "ignore_eos": True}).encode()], dtype=object),
-    }
+LONG_GENERATION = {"max_tokens": 3000, "ignore_eos": True}
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "no-stream"])
@@ -166,9 +160,10 @@ def test_cancel_through_the_pipeline_stops_the_engine(server, stream):
     """
     if server.metrics is None:
         pytest.skip("MMSERVE_TRITON_METRICS_URL not given")
+    client = _client(server, entry="mm_pipeline")
     tries = []
     for _ in range(3):
-        tries.append(generated_after_cancel(server, "mm_pipeline", _long_generation(stream)))
+        tries.append(generated_after_cancel(server, lambda: client.start("Count.", stream=stream, **LONG_GENERATION)))
         if tries[-1][1] < 1000:
             break
     print(f"\nmm_pipeline, stream={stream}: (tokens when cancelled, tokens in all) per try: {tries}")
@@ -178,14 +173,10 @@ def test_cancel_through_the_pipeline_stops_the_engine(server, stream):
 def test_cancel_reaches_mm_llm_called_directly(server, tiny_models):
     if server.metrics is None:
         pytest.skip("MMSERVE_TRITON_METRICS_URL not given")
-    from mmserve.serving.preprocess import Preprocessor
-
-    tensors = _long_generation(False)
-    tensors["input_ids"] = Preprocessor(tiny_models["qwen2_5_omni"])("Count.")["input_ids"]
-    del tensors["text_input"]
+    direct = _client(server, direct=True, model=tiny_models["qwen2_5_omni"])  # preprocessed here: to mm_llm
     counts = []
     for _ in range(3):
-        at_cancel, total = generated_after_cancel(server, "mm_llm", tensors)
+        at_cancel, total = generated_after_cancel(server, lambda: direct.start("Count.", stream=False, **LONG_GENERATION))
         counts.append(total)
         if total < 3000:
             break
@@ -212,7 +203,7 @@ def test_health_metadata_and_metrics(server, references):
 
 
 def test_perf_analyzer_against_the_ensemble(server, tmp_path):
-    perf_analyzer = Path(os.environ.get("MMSERVE_VENV", ROOT / ".venv")) / "bin" / "perf_analyzer"
+    perf_analyzer = Path(settings.VENV.get(str(ROOT / ".venv"))) / "bin" / "perf_analyzer"
     data = {"data": [{"text_input": ["Describe it."], "stream": [True],
                       "sampling_parameters": [json.dumps({"max_tokens": 8, "temperature": 0})]}]}
     (tmp_path / "input.json").write_text(json.dumps(data))

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-import live
-from live import http_status, sampling, wait_for
+import utils
+from utils import ROOT, http_status, sampling, wait_for
 
 pytestmark = [pytest.mark.server, pytest.mark.fault]
 
@@ -44,18 +44,18 @@ def _readiness(server) -> tuple[int, ...]:
 def _fault_and_heal(server, references, fault: signal.Signals, detect_within: float) -> dict[str, float]:
     from mmserve.client import ClientError
 
-    [core] = live.engine_core_pids(server)
+    [core] = utils.engine_core_pids(server)
     in_flight: list[ClientError] = []
 
     def long_request() -> None:
         try:
-            live.client(server).generate("Count.", max_tokens=1500, ignore_eos=True)
+            utils.client(server).generate("Count.", max_tokens=1500, ignore_eos=True)
         except ClientError as exc:
             in_flight.append(exc)
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    assert wait_for(lambda: live.metric(server, "vllm:num_requests_running") >= 1, 60)
+    assert wait_for(lambda: utils.metric(server, "vllm:num_requests_running") >= 1, 60)
     started = time.monotonic()
     os.kill(core, fault)
     try:
@@ -66,7 +66,7 @@ def _fault_and_heal(server, references, fault: signal.Signals, detect_within: fl
         assert not thread.is_alive(), "the request in flight was never answered"
         assert [e.code for e in in_flight] == ["UNAVAILABLE"], in_flight
         with pytest.raises(ClientError) as refused:
-            live.client(server).generate("Hi", **sampling(2))
+            utils.client(server).generate("Hi", **sampling(2))
         assert refused.value.code == "UNAVAILABLE", refused.value
         assert wait_for(lambda: _readiness(server) == (200, 200, 200), HEAL_S, 0.5), _readiness(server)
         healed = time.monotonic() - started
@@ -74,12 +74,12 @@ def _fault_and_heal(server, references, fault: signal.Signals, detect_within: fl
         if fault == signal.SIGSTOP:  # if the watcher missed it, let the process go on (or die)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(core, signal.SIGCONT)
-    assert core not in live.engine_core_pids(server), "the failed engine core is still there"
-    for entry in live.ENTRIES:
+    assert core not in utils.engine_core_pids(server), "the failed engine core is still there"
+    for entry in utils.ENTRIES:
         for name in ("image_audio#0", "text_only#1"):
             case = references[name]
-            assert live.client(server, entry=entry).generate(case.text, case.images, case.audios,
-                                                              **sampling()).output_ids == case.ids
+            assert utils.client(server, entry=entry).generate(case.text, case.images, case.audios,
+                                                               **sampling()).output_ids == case.ids
     timings = {"not_ready_after_s": round(detected, 2), "serving_again_after_s": round(healed, 1)}
     print(f"\n{fault.name} of the engine core: {timings}")
     return timings
@@ -91,8 +91,6 @@ def test_engine_killed_detect_unavailable_heal(own_server, references):
 
 def test_engine_wedged_detect_unavailable_heal(own_server, references):
     """A stopped engine core answers nothing: the watcher sees no progress for the stall timeout."""
-    from conftest import ROOT
-
     config = (ROOT / "model_repository" / "mm_llm" / "config.pbtxt").read_text()
     stall = float(re.search(r'key: "engine_stall_timeout_s", value: \{ string_value: "([\d.]+)"', config).group(1))
     _fault_and_heal(own_server, references, signal.SIGSTOP, stall + 2 * DETECT_S)

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ENGINE_ARGS
+from utils import ENGINE_ARGS
 
 pytestmark = pytest.mark.engine
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ENGINE_ARGS, processed, run_concurrently
+from utils import ENGINE_ARGS, processed, run_concurrently
 
 pytestmark = pytest.mark.engine
 

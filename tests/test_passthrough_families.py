@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ENGINE_ARGS, greedy, make_request, processed
+from utils import ENGINE_ARGS, greedy, make_request, processed
 
 FAMILY_CASES = {
     "qwen2_5_vl": {"text_only": [], "image_only": ["image"], "two_images": ["image", "image"]},
@@ -31,7 +31,7 @@ def test_counting_rule_matches_hf_expansion(references, family_name):
 
     family, reference = get_family(family_name), references[family_name]
     vocab = reference.processor.tokenizer.get_vocab()
-    mm_config = reference.model.config
+    hf_config = reference.model.config
     for parts in FAMILY_CASES[family_name].values():
         request = make_request(reference, "count", parts, seed=3)
         ids = request.hf_inputs["input_ids"][0].tolist()
@@ -39,7 +39,7 @@ def test_counting_rule_matches_hf_expansion(references, family_name):
             spec = family.modality(modality)
             from mmserve.passthrough.items import ProcessedItems
 
-            items = ProcessedItems(data, spec, mm_config)
+            items = ProcessedItems(data, spec, hf_config)
             runs = placeholder_runs(ids, vocab[spec.placeholder_token])
             assert [n for _, n in runs] == items.expected_tokens()
             assert len(items) == parts.count(modality)

@@ -9,8 +9,15 @@ import copy
 
 import pytest
 import torch
-
-from conftest import ENGINE_ARGS, OMNI_CASES, greedy, make_request, processed, run_concurrently
+from mmserve_dev.samples import AUDIO_SAMPLE_RATE
+from utils import (
+    ENGINE_ARGS,
+    OMNI_CASES,
+    greedy,
+    make_request,
+    processed,
+    run_concurrently,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -88,7 +95,7 @@ def _error_cases(prompt, image_token_id):
     short_ids = copy.deepcopy(prompt)
     short_ids["prompt_token_ids"] = ids[:first] + ids[first + 1:]
     mixed = copy.deepcopy(prompt)
-    mixed["multi_modal_data"]["audio"] = [(torch.zeros(16000).numpy(), 16000)]
+    mixed["multi_modal_data"]["audio"] = [(torch.zeros(AUDIO_SAMPLE_RATE).numpy(), AUDIO_SAMPLE_RATE)]
     return {
         "missing field": (_with(prompt, "audio", feature_attention_mask=None),
                           r"audio: expected the fields .* \(missing \['feature_attention_mask'\]\)"),

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmserve_dev.samples import encode_audio, encode_image, sample_audio, sample_image
+from mmserve_dev.samples import AUDIO_SAMPLE_RATE, encode_audio, encode_image, sample_audio, sample_image
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 MODEL_DIR = Path(__file__).resolve().parents[1] / "model_repository" / "preprocess"
@@ -136,11 +136,11 @@ def test_item_counts_and_request_bytes(preprocessor):
     png = solid_image(8, 8)
     rejects(lambda: preprocessor("x", [png] * 5), "image: 5 images exceed the limit of 4 per request (max_images)")
     clip = sample_audio(0, seconds=0.5)
-    rejects(lambda: preprocessor("x", [], [encode_audio(clip)] * 2, pcm=[(clip, 16000)]),
+    rejects(lambda: preprocessor("x", [], [encode_audio(clip)] * 2, pcm=[(clip, AUDIO_SAMPLE_RATE)]),
             "audio: 3 clips (audio and audio_pcm together) exceed the limit of 2 per request (max_audio_clips)")
     small = limited(preprocessor, max_request_bytes=1000)
     size = 3 + len(png) + clip.nbytes
-    rejects(lambda: small("abc", [png], pcm=[(clip, 16000)]),
+    rejects(lambda: small("abc", [png], pcm=[(clip, AUDIO_SAMPLE_RATE)]),
             f"request: {size} bytes of text and media exceed the limit of 1000 (max_request_bytes)")
     rejects(lambda: small("é" * 501), "request: 1002 bytes of text and media exceed the limit of 1000")
     rejects(lambda: preprocessor("x", [3]), "image[0]: expected bytes or a data URL, found int")
@@ -151,27 +151,27 @@ def test_audio_longer_than_the_window_is_rejected_not_cut(preprocessor):
 
     assert preprocessor.max_audio_seconds == 30.0  # n_samples / sampling_rate of the extractor
     window = "exceeds the limit of 30.0 s per clip (max_audio_seconds; the model's audio window)"
-    rejects(lambda: preprocessor("x", [], [encode_audio(np.zeros(16000 * 600, np.float32))]),
+    rejects(lambda: preprocessor("x", [], [encode_audio(np.zeros(AUDIO_SAMPLE_RATE * 600, np.float32))]),
             f"audio[0]: 600.0 s {window}")
-    rejects(lambda: preprocessor("x", pcm=[(sample_audio(0, seconds=31.0), 16000)]), f"audio_pcm[0]: 31.0 s {window}")
+    rejects(lambda: preprocessor("x", pcm=[(sample_audio(0, seconds=31.0), AUDIO_SAMPLE_RATE)]), f"audio_pcm[0]: 31.0 s {window}")
     # Resampled input counts in its own rate's seconds.
     rejects(lambda: preprocessor("x", pcm=[(np.zeros(8000 * 40, np.float32), 8000)]), f"audio_pcm[0]: 40.0 s {window}")
     # A tiny FLAC that expands to 10 minutes is refused from its header, without decoding it.
     buffer = io.BytesIO()
-    soundfile.write(buffer, np.zeros(16000 * 600, np.float32), 16000, format="FLAC")
+    soundfile.write(buffer, np.zeros(AUDIO_SAMPLE_RATE * 600, np.float32), AUDIO_SAMPLE_RATE, format="FLAC")
     assert len(buffer.getvalue()) < 50_000
     rejects(lambda: preprocessor("x", [], [buffer.getvalue()]), f"audio[0]: 600.0 s {window}")
     # Exactly the window passes; one sample more does not, and the message shows the difference.
-    assert preprocessor("x", pcm=[(sample_audio(0, seconds=30.0), 16000)])["input_features"].shape[0] == 1
-    rejects(lambda: preprocessor("x", pcm=[(np.zeros(16000 * 30 + 1, np.float32), 16000)]),
+    assert preprocessor("x", pcm=[(sample_audio(0, seconds=30.0), AUDIO_SAMPLE_RATE)])["input_features"].shape[0] == 1
+    rejects(lambda: preprocessor("x", pcm=[(np.zeros(AUDIO_SAMPLE_RATE * 30 + 1, np.float32), AUDIO_SAMPLE_RATE)]),
             "audio_pcm[0]: 30.00006")
 
 
 def test_audio_duration_limits_are_configurable(preprocessor):
     short = limited(preprocessor, max_audio_seconds=2.0, max_total_audio_seconds=3.0)
-    rejects(lambda: short("x", pcm=[(sample_audio(0, seconds=2.5), 16000)]),
+    rejects(lambda: short("x", pcm=[(sample_audio(0, seconds=2.5), AUDIO_SAMPLE_RATE)]),
             "audio_pcm[0]: 2.5 s exceeds the limit of 2.0 s per clip (max_audio_seconds)")
-    rejects(lambda: short("x", [], [encode_audio(sample_audio(0, seconds=2.0))], pcm=[(sample_audio(1, 1.5), 16000)]),
+    rejects(lambda: short("x", [], [encode_audio(sample_audio(0, seconds=2.0))], pcm=[(sample_audio(1, 1.5), AUDIO_SAMPLE_RATE)]),
             "audio: 3.5 s in total exceeds the limit of 3.0 s (max_total_audio_seconds)")
     with pytest.raises(ValueError, match=r"max_audio_seconds: 60\.0 s exceeds the model's audio window of 30\.0 s"):
         limited(preprocessor, max_audio_seconds=60.0)
@@ -233,14 +233,14 @@ def test_a_clip_too_short_for_one_embedding_is_named(preprocessor):
     import re
 
     message = rejects(lambda: preprocessor("x", [], [encode_audio(sample_audio(0, seconds=1.0))],
-                                           pcm=[(sample_audio(1, seconds=0.01), 16000)]),
+                                           pcm=[(sample_audio(1, seconds=0.01), AUDIO_SAMPLE_RATE)]),
                       "audio_pcm[0]: a 0.010 s clip is too short: at least ")
     needed = float(re.search(r"at least ([\d.]+) s needed", message).group(1))  # rounded up to the ms
-    samples = round(needed * 16000)
-    assert preprocessor("x", pcm=[(sample_audio(2)[:samples], 16000)])["input_features"].shape[0] == 1
+    samples = round(needed * AUDIO_SAMPLE_RATE)
+    assert preprocessor("x", pcm=[(sample_audio(2)[:samples], AUDIO_SAMPLE_RATE)])["input_features"].shape[0] == 1
     shorter = samples - 16  # 1 ms less
     rejects(lambda: preprocessor("x", [], [encode_audio(sample_audio(2)[:shorter])]),
-            f"audio[0]: a {shorter / 16000:.3f} s clip is too short: at least {needed:.3f} s needed")
+            f"audio[0]: a {shorter / AUDIO_SAMPLE_RATE:.3f} s clip is too short: at least {needed:.3f} s needed")
 
 
 # -- 5. non-finite numbers ------------------------------------------------------------------------
@@ -249,17 +249,17 @@ def test_non_finite_audio_is_rejected(preprocessor):
 
     wave = sample_audio(0)
     wave[[3, 50, 700]] = [np.nan, np.inf, -np.inf]
-    rejects(lambda: preprocessor("x", pcm=[(wave, 16000)]), "audio_pcm[0]: 3 non-finite samples (NaN/Inf)")
+    rejects(lambda: preprocessor("x", pcm=[(wave, AUDIO_SAMPLE_RATE)]), "audio_pcm[0]: 3 non-finite samples (NaN/Inf)")
     buffer = io.BytesIO()
-    soundfile.write(buffer, wave, 16000, format="WAV", subtype="FLOAT")
+    soundfile.write(buffer, wave, AUDIO_SAMPLE_RATE, format="WAV", subtype="FLOAT")
     rejects(lambda: preprocessor("x", [], [buffer.getvalue()]), "audio[0]: 3 non-finite samples (NaN/Inf)")
 
 
 def test_non_finite_features_are_rejected_naming_the_tensor(preprocessor):
     # Finite samples whose power overflows float32: the log-mel features come out infinite, all
     # 128 mel bins x 100 frames of the 1-s clip (the window's padding past it is cut).
-    rejects(lambda: preprocessor("x", pcm=[(np.full(16000, 3e38, np.float32), 16000)]),
-            f"input_features: {128 * 16000 // 160} non-finite values (NaN/Inf) in the processed features")
+    rejects(lambda: preprocessor("x", pcm=[(np.full(AUDIO_SAMPLE_RATE, 3e38, np.float32), AUDIO_SAMPLE_RATE)]),
+            f"input_features: {128 * AUDIO_SAMPLE_RATE // 160} non-finite values (NaN/Inf) in the processed features")
 
 
 # -- 6. control tokens typed in user text ----------------------------------------------------------
@@ -471,3 +471,35 @@ def test_triton_model_refuses_bad_parameters(triton_model):
         triton_model(max_images="many")
     with pytest.raises(ValueError, match="user_control_tokens: expected one of"):
         triton_model(user_control_tokens="allow")
+
+
+def test_triton_model_takes_the_checkpoint_and_media_limits_from_the_engine_config(triton_model, tmp_path):
+    """One source: mm_llm/model.json names the checkpoint and limit_mm_per_prompt for both models."""
+    from mmserve.inputs import mm_limits, read_engine_config
+
+    engine = read_engine_config(MODEL_DIR.parent / "mm_llm" / "model.json")
+    _, built = triton_model()
+    assert built["model"] == engine["model"]
+    assert (built["limits"].max_images, built["limits"].max_audio_clips) == \
+        (mm_limits(engine)["image"], mm_limits(engine)["audio"])
+    with pytest.raises(ValueError, match=r"max_images: 9 exceeds the engine's limit_mm_per_prompt of "
+                                         r"\d+ image items \(mm_llm/model.json\)"):
+        triton_model(max_images="9")
+    other = tmp_path / "model.json"
+    other.write_text('{"model": "ckpt", "limit_mm_per_prompt": {"image": {"count": 1}, "audio": 3}}')
+    _, built = triton_model(engine_config=str(other))
+    assert built["model"] == str(tmp_path / "ckpt")
+    assert (built["limits"].max_images, built["limits"].max_audio_clips) == (1, 3)
+    other.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object of engine arguments"):
+        triton_model(engine_config=str(other))
+
+
+def test_the_model_env_var_overrides_the_engine_config(tmp_path, monkeypatch):
+    from mmserve.inputs import read_engine_config
+
+    (tmp_path / "model.json").write_text('{"model": "../ckpt", "dtype": "float32"}')
+    monkeypatch.delenv("MMSERVE_MODEL", raising=False)
+    assert read_engine_config(tmp_path / "model.json") == {"model": str(tmp_path.parent / "ckpt"), "dtype": "float32"}
+    monkeypatch.setenv("MMSERVE_MODEL", "/models/omni")
+    assert read_engine_config(tmp_path / "model.json")["model"] == "/models/omni"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mmserve_dev.samples import encode_audio, encode_image, sample_audio, sample_image
+from mmserve_dev.samples import AUDIO_SAMPLE_RATE, encode_audio, encode_image, sample_audio, sample_image
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +59,10 @@ def test_audio_features_are_the_full_window_ones_on_the_valid_frames(preprocesso
     rng = np.random.default_rng(7)
     for trial in range(12):
         seconds = rng.uniform(0.1, 29.5, size=1 + trial % 2)
-        clips = [(rng.standard_normal(int(s * 16000)) * rng.uniform(1e-3, 1.0)).astype(np.float32) for s in seconds]
+        clips = [(rng.standard_normal(int(s * AUDIO_SAMPLE_RATE)) * rng.uniform(1e-3, 1.0)).astype(np.float32) for s in seconds]
         if trial % 4 == 0:
             clips[0][:] = 0.0
-        out = preprocessor("Hi", pcm=[(clip, 16000) for clip in clips])
+        out = preprocessor("Hi", pcm=[(clip, AUDIO_SAMPLE_RATE) for clip in clips])
         text = chat_prompt("qwen2_5_omni", omni_reference.processor, ["audio"] * len(clips) + ["text:Hi"])
         ref = omni_reference.processor_inputs(text, audios=clips)
         mask = ref["feature_attention_mask"].numpy()
@@ -78,7 +78,7 @@ def test_preprocess_empty_modalities_and_pcm(preprocessor):
     assert out["image_grid_thw"].shape == (0, 3)
     wave = sample_audio(1, seconds=1.0, sample_rate=8000)
     resampled = preprocessor("Hi", pcm=[(wave, 8000)])
-    direct = preprocessor("Hi", pcm=[(sample_audio(1, seconds=1.0), 16000)])
+    direct = preprocessor("Hi", pcm=[(sample_audio(1, seconds=1.0), AUDIO_SAMPLE_RATE)])
     assert resampled["feature_attention_mask"].sum() == direct["feature_attention_mask"].sum() == 100
 
 
@@ -86,7 +86,7 @@ def test_preprocess_empty_modalities_and_pcm(preprocessor):
     (lambda p: p("x", [b"junk"]), r"image\[0\]: cannot decode 4 bytes as an image"),
     (lambda p: p("x", [], [b"RIFF0000WAVE"]), r"audio\[0\]: cannot decode 12 bytes as audio"),
     (lambda p: p("x", ["data:image/png,abc"]), r"image\[0\]: a data URL must be base64-encoded"),
-    (lambda p: p("x", pcm=[(np.zeros(0, np.float32), 16000)]), r"audio_pcm\[0\]: expected a non-empty mono clip"),
+    (lambda p: p("x", pcm=[(np.zeros(0, np.float32), AUDIO_SAMPLE_RATE)]), r"audio_pcm\[0\]: expected a non-empty mono clip"),
     (lambda p: p("<|vision_bos|><|IMAGE|><|vision_eos|>x", apply_chat_template=False),
      r"text_input: 1 <\|IMAGE\|> placeholder\(s\) in the prompt, but 0 image item\(s\) given"),
 ])
@@ -143,48 +143,88 @@ def _model_config(name: str):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    from conftest import ROOT
+    from utils import ROOT
 
     text = (ROOT / "model_repository" / name / "config.pbtxt").read_text()
     return text_format.Parse(text, model_config_pb2.ModelConfig())
 
 
-def _signature(tensors) -> dict[str, tuple[str, list[int]]]:
+def _triton_type(dtype: str) -> str:
+    from tritonclient.utils import np_to_triton_dtype
+
+    name = np_to_triton_dtype(np.dtype(dtype))
+    return "TYPE_STRING" if name == "BYTES" else "TYPE_" + name
+
+
+def _listed(tensors) -> list[tuple[str, str, list[int], bool]]:
+    """(name, type, dims, optional) of a config's inputs or outputs, in order."""
     from tritonclient.grpc import model_config_pb2
 
-    return {t.name: (model_config_pb2.DataType.Name(t.data_type), list(t.dims)) for t in tensors}
+    return [(t.name, model_config_pb2.DataType.Name(t.data_type), list(t.dims), getattr(t, "optional", False))
+            for t in tensors]
+
+
+def _expected(specs, required=()) -> list[tuple[str, str, list[int], bool]]:
+    return [(s.name, _triton_type(s.dtype), list(s.triton_dims), s.name not in required) for s in specs]
 
 
 def test_model_repository_configs_follow_the_tensor_contract():
-    """preprocess outputs, mm_llm inputs and the ensemble's wiring = mmserve.serving.contract."""
-    from tritonclient.utils import np_to_triton_dtype
+    """Every config.pbtxt lists exactly the tensors of mmserve.wire and mmserve.serving.contract (names,
+    types, dims, optional, order), and the ensemble wires preprocess's outputs to mm_llm's inputs."""
+    from mmserve import wire
+    from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS, MM_LLM_INPUTS
 
-    from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
-
-    contract = {s.name: ("TYPE_" + np_to_triton_dtype(np.dtype(s.dtype)), list(s.triton_dims))
-                for s in (INPUT_IDS, *FEATURE_TENSORS)}
-    preprocess, llm, ensemble = (_model_config(n) for n in ("preprocess", "mm_llm", "mm_ensemble"))
-    assert _signature(preprocess.output) == contract
-    llm_inputs = _signature(llm.input)
-    assert {name: llm_inputs[name] for name in contract} == contract
-    assert [t.name for t in llm.input if not t.optional] == ["input_ids"]
+    preprocess, llm, ensemble, pipeline = (
+        _model_config(n) for n in ("preprocess", "mm_llm", "mm_ensemble", "mm_pipeline"))
+    outputs = [entry[:3] for entry in _expected(wire.OUTPUTS)]
+    # text_input is required everywhere, but marked optional so that the model answers its absence.
+    assert _listed(preprocess.input) == _expected(wire.PREPROCESS_INPUTS)
+    assert [entry[:3] for entry in _listed(preprocess.output)] == \
+        [entry[:3] for entry in _expected((INPUT_IDS, *FEATURE_TENSORS))]
+    assert _listed(llm.input) == _expected(MM_LLM_INPUTS, required=("input_ids",))
+    assert [entry[:3] for entry in _listed(llm.output)] == outputs
     assert llm.model_transaction_policy.decoupled
+    for public in (ensemble, pipeline):
+        assert _listed(public.input) == _expected(wire.PUBLIC_INPUTS), public.name
+        assert [entry[:3] for entry in _listed(public.output)] == outputs, public.name
+    assert pipeline.model_transaction_policy.decoupled
 
-    # The ensemble feeds every preprocess output to the same-named mm_llm input, and exposes
-    # mm_llm's outputs under their own names.
+    # The ensemble feeds every preprocess output to the same-named mm_llm input, its own inputs to the
+    # same-named inputs of each step, and exposes mm_llm's outputs under their own names.
     first, second = ensemble.ensemble_scheduling.step
     assert (first.model_name, second.model_name) == ("preprocess", "mm_llm")
-    wired = {second.input_map[key]: key for key in second.input_map}
-    assert {first.output_map[name]: name for name in first.output_map} == {
-        internal: wired[internal] for internal in wired if internal in first.output_map.values()
-    }
-    assert set(first.output_map) == set(contract)
-    assert dict(second.output_map) == {t.name: t.name for t in llm.output}
-    assert _signature(ensemble.output) == _signature(llm.output)
+    assert dict(first.input_map) == {name: name for name in wire.names(wire.PREPROCESS_INPUTS)}
+    internal = {first.output_map[name]: name for name in first.output_map}
+    assert set(internal.values()) == {s.name for s in (INPUT_IDS, *FEATURE_TENSORS)}
+    assert {key: value for key, value in second.input_map.items() if value in internal} == \
+        {name: f"_{name}" for name in internal.values()}
+    assert {key: value for key, value in second.input_map.items() if value not in internal} == \
+        {name: name for name in wire.names((wire.TEXT_INPUT, *wire.GENERATION_INPUTS))}
+    assert dict(second.output_map) == {name: name for name in wire.names(wire.OUTPUTS)}
 
-    # mm_pipeline takes and gives exactly what mm_ensemble does.
-    pipeline = _model_config("mm_pipeline")
-    assert [(t.name, t.data_type, list(t.dims), t.optional) for t in pipeline.input] == \
-        [(t.name, t.data_type, list(t.dims), t.optional) for t in ensemble.input]
-    assert _signature(pipeline.output) == _signature(ensemble.output)
-    assert pipeline.model_transaction_policy.decoupled
+
+def test_the_client_names_only_tensors_of_the_contract():
+    """mmserve.client spells tensor names itself (it imports no torch): each one it sends or reads is
+    a tensor of mmserve.wire or mmserve.serving.contract."""
+    import ast
+
+    from utils import ROOT
+
+    from mmserve import wire
+    from mmserve.serving.contract import MM_LLM_INPUTS
+
+    known = set(wire.names((*wire.PUBLIC_INPUTS, *wire.OUTPUTS, *MM_LLM_INPUTS)))
+    tree = ast.parse((ROOT / "src" / "mmserve" / "client.py").read_text())
+    named: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and \
+                node.value.id in ("tensors", "processed", "body", "flags") and isinstance(node.slice, ast.Constant):
+            named.add(node.slice.value)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("get", "optional", "first") and node.args and isinstance(node.args[0], ast.Constant):
+            named.add(node.args[0].value)
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and any(
+                isinstance(t, ast.Name) and t.id in ("tensors", "flags", "body") for t in node.targets):
+            named.update(k.value for k in node.value.keys if isinstance(k, ast.Constant))
+    assert len(named) >= 12, named  # the check sees the client's names
+    assert named <= known, named - known

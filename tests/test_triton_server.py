@@ -347,6 +347,8 @@ def test_cli_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
         "--start-timeout", "120",
     ]  # fmt: skip
+    if sig == signal.SIGTERM:  # as in a container: the server's log on the launcher's stdout
+        cmd += ["--log-file", "-"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
@@ -357,6 +359,8 @@ def test_cli_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
         out = "".join(lines)
         assert f"HTTP     127.0.0.1:{http}" in out and f"gRPC     127.0.0.1:{grpc}" in out, out
         assert f"metrics  http://127.0.0.1:{metrics}/metrics" in out, out
+        if sig == signal.SIGTERM:
+            assert f"Started HTTPService at 127.0.0.1:{http}" in out, out
         descendants = psutil.Process(proc.pid).children(recursive=True)
         assert descendants
         proc.send_signal(sig)
@@ -369,3 +373,17 @@ def test_cli_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
     for p in descendants:
         assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, p
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mmserve_{proc.pid}_")]
+
+
+def test_the_bind_address_is_a_setting(tmp_path: Path) -> None:
+    """127.0.0.1 by default (tests bind nothing else); a container's image passes 0.0.0.0. Only the
+    command is built here: no test server listens beyond the loopback."""
+    from mmserve_dev.triton import TritonServer
+
+    for host in ("127.0.0.1", "0.0.0.0"):
+        server = TritonServer(tmp_path, http_port=1, grpc_port=2, metrics_port=3, cache_dir=tmp_path / "cache",
+                              **({} if host == "127.0.0.1" else {"host": host}))
+        command = server.command()
+        for endpoint in ("http", "grpc", "metrics"):
+            assert f"--{endpoint}-address={host}" in command
+        assert (server.http_url, server.grpc_url) == ("127.0.0.1:1", "127.0.0.1:2")

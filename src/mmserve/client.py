@@ -10,6 +10,15 @@ Library use::
 
     http = MMClient("127.0.0.1:8000", protocol="http")        # /v2/models/<model>/generate[_stream]
 
+    with client.start("Count.", max_tokens=3000) as generation:  # gRPC: a handle on the request
+        for response in generation:                           # Result per streamed delta
+            if enough(response):
+                generation.cancel()                           # the server stops generating too
+
+Leaving a ``stream()`` loop early cancels the request on the server as well. ``start_tensors`` and
+``infer_tensors`` send named tensors as they are (e.g. to ``mm_llm``, or to ``preprocess`` to see
+the token ids and features the server makes of a request).
+
 ``entry`` picks the served model: ``mm_pipeline`` (default: a cancelled request stops on the engine)
 or ``mm_ensemble`` (the same tensors through Triton's ensemble scheduler). ``direct=True``
 preprocesses on the client's side (the model's own HF processor, ``model`` = the checkpoint
@@ -25,11 +34,12 @@ import base64
 import json
 import mimetypes
 import queue
+import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -128,16 +138,52 @@ class MMClient:
                 result.num_output_tokens = (result.num_output_tokens or 0) + response.num_output_tokens
         return result
 
+    def start(self, text: str, images: Sequence[Media] = (), audios: Sequence[Media] = (), *,
+              stream: bool = True, **options: Any) -> Generation:
+        """Send a request (gRPC) and return at once: iterate the ``Generation`` for its responses (a
+        ``Result`` per delta; one in all without ``stream``), or ``cancel()`` it from any thread."""
+        if self.protocol != "grpc":
+            raise ValueError("start() streams over gRPC: use protocol='grpc'")
+        params, flags, apply_chat_template = self._options(stream, **options)
+        tensors = self._tensors(text, images, audios, apply_chat_template)
+        tensors["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=np.object_)
+        for name, value in flags.items():
+            tensors[name] = np.array([value])
+        return self.start_tensors(tensors)
+
+    def start_tensors(self, tensors: Mapping[str, np.ndarray], *, model: str | None = None) -> Generation:
+        """Send named tensors as they are to a decoupled ``model`` (default: the entry, or ``mm_llm``
+        with ``direct``) over a gRPC stream; see ``start``."""
+        if self.protocol != "grpc":
+            raise ValueError("tensors travel over gRPC: use protocol='grpc'")
+        return Generation(self.url, model or (LLM if self.direct else self.entry), grpc_inputs(tensors),
+                          timeout=self.timeout)
+
+    def infer_tensors(self, tensors: Mapping[str, np.ndarray], *, model: str) -> dict[str, np.ndarray]:
+        """One plain gRPC infer of a non-decoupled ``model`` (``preprocess``): its outputs by name."""
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        if self.protocol != "grpc":
+            raise ValueError("tensors travel over gRPC: use protocol='grpc'")
+        client = grpcclient.InferenceServerClient(self.url)
+        try:
+            result = client.infer(model, grpc_inputs(tensors), client_timeout=self.timeout)
+        except InferenceServerException as exc:
+            raise ClientError(_message(exc)) from None
+        finally:
+            client.close()
+        return {output.name: result.as_numpy(output.name) for output in result.get_response().outputs}
+
     # -- request building ----------------------------------------------------------------------
     @staticmethod
     def sampling_parameters(**options: Any) -> dict[str, Any]:
         """Sampling options (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ...) without Nones."""
         return {k: v for k, v in options.items() if v is not None}
 
-    def _responses(self, text: str, images: Sequence[Media], audios: Sequence[Media], *, stream: bool,
-                   exclude_input_in_output: bool = True, apply_chat_template: bool = True,
-                   **sampling: Any) -> Iterator[Result]:
-        params = self.sampling_parameters(**sampling)
+    def _options(self, stream: bool, *, exclude_input_in_output: bool = True, apply_chat_template: bool = True,
+                 **sampling: Any) -> tuple[dict[str, Any], dict[str, bool], bool]:
+        """(sampling parameters, the request's flags, apply_chat_template) of a request's options."""
         flags = {
             "stream": stream,
             "exclude_input_in_output": exclude_input_in_output,
@@ -145,10 +191,15 @@ class MMClient:
             "return_num_input_tokens": True,
             "return_num_output_tokens": True,
         }
+        return self.sampling_parameters(**sampling), flags, apply_chat_template
+
+    def _responses(self, text: str, images: Sequence[Media], audios: Sequence[Media], *, stream: bool,
+                   **options: Any) -> Iterator[Result]:
         if self.protocol == "http":
-            yield from self._http(text, images, audios, params, flags, apply_chat_template)
+            yield from self._http(text, images, audios, *self._options(stream, **options))
         else:
-            yield from self._grpc(text, images, audios, params, flags, apply_chat_template)
+            with self.start(text, images, audios, stream=stream, **options) as generation:
+                yield from generation
 
     def _tensors(self, text: str, images: Sequence[Media], audios: Sequence[Media],
                  apply_chat_template: bool) -> dict[str, np.ndarray]:
@@ -164,47 +215,6 @@ class MMClient:
         if audios:
             tensors["audio"] = np.array([_read(m) for m in audios], dtype=np.object_)
         return tensors
-
-    # -- gRPC: bidirectional streaming (the model is decoupled) -----------------------------------
-    def _grpc(self, text, images, audios, params, flags, apply_chat_template) -> Iterator[Result]:
-        import tritonclient.grpc as grpcclient
-        from tritonclient.utils import InferenceServerException
-
-        tensors = self._tensors(text, images, audios, apply_chat_template)
-        tensors["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=np.object_)
-        for name, value in flags.items():
-            tensors[name] = np.array([value])
-        inputs = grpc_inputs(tensors)
-
-        responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
-        client = grpcclient.InferenceServerClient(self.url)
-        try:
-            client.start_stream(callback=lambda result, error: responses.put((result, error)))
-            try:
-                client.async_stream_infer(LLM if self.direct else self.entry, inputs,
-                                          request_id=uuid.uuid4().hex, enable_empty_final_response=True)
-            except InferenceServerException as exc:  # the stream broke first: its callback has why
-                try:
-                    _, cause = responses.get(timeout=5)
-                except queue.Empty:
-                    cause = exc
-                raise ClientError(_message(cause)) from None
-            while True:
-                try:
-                    result, error = responses.get(timeout=self.timeout)
-                except queue.Empty:
-                    raise ClientError(f"no response from the server within {self.timeout:.0f} s") from None
-                if error is not None:
-                    raise ClientError(_message(error))
-                response = result.get_response()
-                final = response.parameters["triton_final_response"].bool_param
-                if response.outputs:
-                    yield _result_from(result.as_numpy)
-                if final:
-                    return
-        finally:
-            client.stop_stream()
-            client.close()
 
     # -- HTTP: the generate endpoints (JSON, so media travel as data URLs) --------------------------
     def _http(self, text, images, audios, params, flags, apply_chat_template) -> Iterator[Result]:
@@ -231,6 +241,84 @@ class MMClient:
                 if "error" in event:
                     raise ClientError(event["error"])
                 yield _result_from_json(event)
+
+
+class Generation:
+    """One request in flight on its own gRPC stream (the model is decoupled), from ``MMClient.start``.
+
+    Iterate it for the responses, a ``Result`` each, until the final one (once: the iteration is
+    single-use); an error response raises ``ClientError``. ``cancel()``, from any thread, stops the
+    request on the server and ends the iteration. As a context manager, leaving it (or an iteration
+    left early) cancels the request unless it ended (its final response, or an error, came).
+    """
+
+    def __init__(self, url: str, model: str, inputs: list[Any], *, timeout: float = 600.0,
+                 request_id: str | None = None) -> None:
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        self.model, self.timeout = model, timeout
+        self.request_id = request_id or uuid.uuid4().hex
+        self._answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        self._finished = False
+        self._lock = threading.Lock()
+        self._client: Any = grpcclient.InferenceServerClient(url)
+        self._results = self._read()
+        try:
+            self._client.start_stream(callback=lambda result, error: self._answers.put((result, error)))
+            self._client.async_stream_infer(model, inputs, request_id=self.request_id,
+                                            enable_empty_final_response=True)
+        except InferenceServerException as exc:  # the stream broke first: its callback has why
+            try:
+                _, cause = self._answers.get(timeout=5)
+            except queue.Empty:
+                cause = exc
+            self._finished = True  # nothing in flight to cancel
+            self.close()
+            raise ClientError(_message(cause if cause is not None else exc)) from None
+
+    def __iter__(self) -> Iterator[Result]:
+        return self._results
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def cancel(self) -> None:
+        """Cancel the request on the server; an iteration ends (after the responses already here)."""
+        self._answers.put((None, None))  # wakes an iteration waiting for the next response
+        self.close()
+
+    def close(self) -> None:
+        """Close the stream, cancelling the request unless it ended."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.stop_stream(cancel_requests=not self._finished)
+            client.close()
+
+    def _read(self) -> Iterator[Result]:
+        try:
+            while True:
+                try:
+                    result, error = self._answers.get(timeout=self.timeout)
+                except queue.Empty:
+                    raise ClientError(f"no response from the server within {self.timeout:.0f} s") from None
+                if result is None and error is None:  # cancelled
+                    return
+                if error is not None:  # the request's end (its error is the final response)
+                    self._finished = True
+                    raise ClientError(_message(error))
+                response = result.get_response()
+                self._finished = response.parameters["triton_final_response"].bool_param
+                if response.outputs:
+                    yield _result_from(result.as_numpy)
+                if self._finished:
+                    return
+        finally:
+            self.close()
 
 
 def grpc_inputs(tensors: Mapping[str, np.ndarray]) -> list[Any]:

@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.outputs import RequestOutput
-from vllm.renderers.inputs.preprocess import parse_model_prompt
-from vllm.v1.engine.async_llm import AsyncLLM
 
+from mmserve import vllm_seam
 from mmserve.inputs import engine_kwargs
+from mmserve.vllm_seam import AsyncLLM
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -76,9 +76,7 @@ class EngineRunner:
 
     def core_pids(self) -> list[int]:
         """Process ids of the engine's core process(es) (empty once they are gone)."""
-        engine = self.engine
-        manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)
-        return [p.pid for p in getattr(manager, "processes", []) if p.pid is not None and p.is_alive()]
+        return vllm_seam.engine_core_pids(self.engine)
 
     def _record_processes(self) -> None:
         """Remember the engine's processes (core and workers) and the /dev/shm files they map, once
@@ -131,9 +129,7 @@ class EngineRunner:
     async def render(self, prompt: dict[str, Any]) -> Any:
         """Prompt dict -> engine input: tokenization and multimodal processing (the pass-through
         processor's validation included), off the loop in vLLM's renderer."""
-        parsed = parse_model_prompt(self.engine.model_config, prompt)
-        (engine_input,) = await self.engine.renderer.render_cmpl_async([parsed])
-        return engine_input
+        return await vllm_seam.render_prompt(self.engine, prompt)
 
     async def stream(
         self, prompt: dict[str, Any], params: SamplingParams, request_id: str | None = None

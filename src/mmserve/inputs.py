@@ -3,28 +3,52 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mmserve import settings
 from mmserve.families import FamilySpec, family_for_architecture
-
-
-MODEL_ENV = "MMSERVE_MODEL"
-"""Environment variable that names the checkpoint to serve, over what the model repository says."""
 
 
 def resolve_model(configured: str | None, base_dir: str | Path) -> str:
     """The checkpoint directory to serve: ``$MMSERVE_MODEL`` if set, else ``configured`` (relative
     paths are relative to ``base_dir``, the folder of the file that configured it)."""
-    model = os.environ.get(MODEL_ENV) or configured
+    model = settings.MODEL.get() or configured
     if not model:
-        raise ValueError(f"no model configured in {base_dir} and {MODEL_ENV} is not set")
+        raise ValueError(f"no model configured in {base_dir} and {settings.MODEL.name} is not set")
     path = Path(model)
     if not path.is_absolute():
         path = (Path(base_dir) / path).resolve()
     return str(path)
+
+
+def read_engine_config(path: str | Path) -> dict[str, Any]:
+    """An engine configuration file (``mm_llm/model.json``: vLLM engine arguments as JSON), with
+    ``model`` resolved to the checkpoint directory (``resolve_model``, relative to the file's folder).
+
+    It is the one place the checkpoint is configured: ``preprocess`` reads the same file.
+    """
+    path = Path(path)
+    try:
+        args = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"engine config {path}: {exc}") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"engine config {path}: expected a JSON object of engine arguments")
+    args["model"] = resolve_model(args.get("model"), path.parent)
+    return args
+
+
+def mm_limits(engine_args: Mapping[str, Any]) -> dict[str, int]:
+    """Items per prompt and modality from the engine arguments' ``limit_mm_per_prompt`` (a count, or
+    vLLM's ``{"count": n, ...}`` form); modalities it leaves out are absent."""
+    limits = {}
+    for modality, limit in (engine_args.get("limit_mm_per_prompt") or {}).items():
+        count = limit.get("count") if isinstance(limit, Mapping) else limit
+        if count is not None:
+            limits[modality] = int(count)
+    return limits
 
 
 def family_of_checkpoint(model: str | Path) -> FamilySpec:

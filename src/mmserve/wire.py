@@ -1,4 +1,11 @@
-"""How the class of an error travels to clients on Triton 2.51 (no heavy imports: the client uses it).
+"""What travels between clients and the models, with no heavy import (the client uses it).
+
+* The request and response tensors of the public models (``mm_ensemble``, ``mm_pipeline``) and of
+  ``mm_llm``: Triton's vLLM backend's names plus the raw media inputs. The model repository's
+  ``config.pbtxt`` files list the same tensors for Triton; ``tests/test_serving.py`` checks that they
+  agree. The feature tensors between ``preprocess`` and ``mm_llm`` are the families' business
+  (``mmserve.serving.contract``).
+* How the class of an error travels to clients on Triton 2.51:
 
 Triton 2.51 drops the error code on the paths decoupled models answer on (gRPC stream responses
 carry only a message; the HTTP generate endpoints answer 400 for any model error), so the models
@@ -9,6 +16,94 @@ answers about a model being unloaded or loaded carry no tag: ``TRITON_UNAVAILABL
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor: its name, dtype, symbolic dims and meaning."""
+
+    name: str
+    dtype: str
+    """numpy's name of its dtype (``object`` for Triton's BYTES/TYPE_STRING). For a family's feature
+    field, the HF processor's output dtype; validation accepts any dtype of the same kind (floating
+    point or integer): offline callers may pass e.g. bfloat16."""
+    dims: tuple[str | int, ...]
+    """Symbolic dims (named when variable, an int when fixed), e.g. ``("images", 3)``."""
+    meaning: str
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat"))
+
+    @property
+    def shape(self) -> str:
+        return "(" + ", ".join(str(d) for d in self.dims) + ")"
+
+    @property
+    def triton_dims(self) -> tuple[int, ...]:
+        return tuple(d if isinstance(d, int) else -1 for d in self.dims)
+
+
+def _flag(name: str, meaning: str) -> TensorSpec:
+    return TensorSpec(name, "bool", (1,), meaning)
+
+
+# ------------------------------------------------------------------------------------- requests
+TEXT_INPUT = TensorSpec("text_input", "object", (1,), "the prompt (UTF-8); required. mm_llm echoes it "
+                        "before the output unless exclude_input_in_output")
+RAW_MEDIA_INPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("image", "object", ("images",), "encoded image files (PNG, JPEG, ...) or data: URLs"),
+    TensorSpec("audio", "object", ("clips",), "encoded audio files (WAV, FLAC, MP3, ...) or data: URLs"),
+    TensorSpec("audio_pcm", "float32", ("samples",), "one mono clip of float PCM, after the audio files"),
+    TensorSpec("audio_sample_rate", "int32", (1,), "audio_pcm's sample rate in Hz; required with it"),
+    _flag("apply_chat_template", "wrap text_input in the model's chat template (default true)"),
+)
+PREPROCESS_INPUTS: tuple[TensorSpec, ...] = (TEXT_INPUT, *RAW_MEDIA_INPUTS)
+"""What ``preprocess`` takes: one raw request."""
+
+STREAM = _flag("stream", "one response per generated delta (default false: one response)")
+SAMPLING_PARAMETERS = TensorSpec("sampling_parameters", "object", (1,),
+                                 "vLLM SamplingParams as a JSON object (mmserve.serving.sampling)")
+FLAG_INPUTS: tuple[TensorSpec, ...] = (
+    STREAM,
+    _flag("exclude_input_in_output", "leave text_input out of a non-streamed text_output"),
+    _flag("return_finish_reason", "add finish_reason to the final response"),
+    _flag("return_cumulative_logprob", "add cumulative_logprob"),
+    _flag("return_logprobs", "add logprobs (JSON)"),
+    _flag("return_num_input_tokens", "add num_input_tokens"),
+    _flag("return_num_output_tokens", "add num_output_tokens"),
+)
+"""The boolean switches of a generation request, as Triton's vLLM backend names them."""
+GENERATION_INPUTS: tuple[TensorSpec, ...] = (STREAM, SAMPLING_PARAMETERS, *FLAG_INPUTS[1:])
+"""How to generate: what ``mm_llm`` takes beside the prompt (in this order in the configs)."""
+PUBLIC_INPUTS: tuple[TensorSpec, ...] = (*PREPROCESS_INPUTS, *GENERATION_INPUTS)
+"""What ``mm_ensemble`` and ``mm_pipeline`` take."""
+CANCEL = TensorSpec("cancel", "object", (1,), "a control request to mm_llm: cancel the request in flight "
+                    "whose Triton request id this is (mm_pipeline sends it)")
+
+# ------------------------------------------------------------------------------------ responses
+OUTPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("text_output", "object", ("texts",), "the generated text (the delta when streaming)"),
+    TensorSpec("output_ids", "int64", ("tokens",), "the generated token ids (the delta when streaming)"),
+    TensorSpec("finish_reason", "object", ("texts",), "stop, length, abort (return_finish_reason)"),
+    TensorSpec("cumulative_logprob", "float32", ("values",), "(return_cumulative_logprob)"),
+    TensorSpec("logprobs", "object", ("texts",), "per token, JSON (return_logprobs)"),
+    TensorSpec("num_input_tokens", "uint32", ("values",), "prompt length (return_num_input_tokens)"),
+    TensorSpec("num_output_tokens", "uint32", ("values",), "tokens generated so far (return_num_output_tokens)"),
+)
+"""What ``mm_llm`` (and so ``mm_ensemble`` and ``mm_pipeline``) answers."""
+
+
+def names(specs: tuple[TensorSpec, ...]) -> tuple[str, ...]:
+    return tuple(spec.name for spec in specs)
+
+
+# --------------------------------------------------------------------------------------- errors
 
 CODES = ("INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL")
 TAG = re.compile(r"\[(" + "|".join(CODES) + r")\] ")

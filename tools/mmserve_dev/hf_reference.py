@@ -19,8 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-FAMILIES: tuple[str, ...] = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio")
-SAMPLING_RATE = 16_000  # what the Whisper feature extractors of every family expect
+from mmserve_dev.samples import AUDIO_SAMPLE_RATE
+from mmserve_dev.tiny_models import FAMILY_NAMES
 
 
 @contextmanager
@@ -49,7 +49,7 @@ def load_processor(path: str | Path):
         return AutoProcessor.from_pretrained(str(path))
 
 
-def chat_prompt(family: str, processor, parts: Sequence[str], *, system: str | None = None) -> str:
+def chat_prompt(family_name: str, processor, parts: Sequence[str], *, system: str | None = None) -> str:
     """The chat-templated prompt text for one user turn made of ``parts``, in order.
 
     ``parts`` items are ``"image"``, ``"audio"``, ``"video"`` or ``"text:<the text>"``; the prompt ends
@@ -59,7 +59,7 @@ def chat_prompt(family: str, processor, parts: Sequence[str], *, system: str | N
         "qwen2_5_omni": {"image", "audio", "video"},
         "qwen2_5_vl": {"image", "video"},
         "qwen2_audio": {"audio"},
-    }[family]
+    }[family_name]
     content: list[dict[str, Any]] = []
     for part in parts:
         if part.startswith("text:"):
@@ -68,7 +68,7 @@ def chat_prompt(family: str, processor, parts: Sequence[str], *, system: str | N
             content.append({"type": part})
         else:
             raise ValueError(
-                f"{family} does not take a {part!r} part (expected text:... or {sorted(supported)})"
+                f"{family_name} does not take a {part!r} part (expected text:... or {sorted(supported)})"
             )
     messages: list[dict[str, Any]] = []
     if system is not None:
@@ -77,31 +77,31 @@ def chat_prompt(family: str, processor, parts: Sequence[str], *, system: str | N
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def _model_class(family: str):
+def _model_class(family_name: str):
     import transformers
 
-    if family == "qwen2_5_vl":
+    if family_name == "qwen2_5_vl":
         return transformers.Qwen2_5_VLForConditionalGeneration
-    if family == "qwen2_audio":
+    if family_name == "qwen2_audio":
         return transformers.Qwen2AudioForConditionalGeneration
-    if family == "qwen2_5_omni":
+    if family_name == "qwen2_5_omni":
         return transformers.Qwen2_5OmniThinkerForConditionalGeneration
-    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    raise ValueError(f"unknown family {family_name!r}; expected one of {FAMILY_NAMES}")
 
 
 class HFReference:
     """HF processor + HF model of one checkpoint, float32, eval mode, CPU."""
 
-    def __init__(self, family: str, path: str | Path):
+    def __init__(self, family_name: str, path: str | Path):
         import torch
 
-        if family not in FAMILIES:
-            raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
-        self.family = family
+        if family_name not in FAMILY_NAMES:
+            raise ValueError(f"unknown family {family_name!r}; expected one of {FAMILY_NAMES}")
+        self.family_name = family_name
         self.path = Path(path)
         self.processor = load_processor(self.path)
         kwargs: dict[str, Any] = {"dtype": torch.float32, "output_loading_info": True}
-        if family == "qwen2_5_omni":
+        if family_name == "qwen2_5_omni":
             # The directory holds the full Qwen2_5OmniConfig (what vLLM wants); the thinker is loaded
             # on its own from it: its config is the thinker sub-config, and its weights are the
             # checkpoint's "thinker." keys (HF strips the thinker's base_model_prefix).
@@ -109,7 +109,7 @@ class HFReference:
 
             with _quiet_transformers():
                 kwargs["config"] = Qwen2_5OmniConfig.from_pretrained(str(self.path)).thinker_config
-        model, info = _model_class(family).from_pretrained(str(self.path), **kwargs)
+        model, info = _model_class(family_name).from_pretrained(str(self.path), **kwargs)
         # A key-naming mismatch shows up as missing + unexpected keys (HF would silently leave those
         # weights randomly initialized): refuse it. Talker / token2wav weights are not the thinker's.
         missing = sorted(info.get("missing_keys") or [])
@@ -119,7 +119,7 @@ class HFReference:
         )
         if missing or mismatched or unexpected:
             raise RuntimeError(
-                f"{family} checkpoint at {self.path} did not load cleanly: missing={missing[:8]} "
+                f"{family_name} checkpoint at {self.path} did not load cleanly: missing={missing[:8]} "
                 f"unexpected={unexpected[:8]} mismatched={mismatched[:8]}"
             )
         self.model = model.eval().to(torch.float32)
@@ -142,7 +142,7 @@ class HFReference:
             kwargs["images"] = list(images)
         if audios:
             kwargs["audio"] = [_as_waveform(a) for a in audios]
-            kwargs["sampling_rate"] = SAMPLING_RATE
+            kwargs["sampling_rate"] = AUDIO_SAMPLE_RATE
         return self.processor(**kwargs)
 
     def generate(
@@ -185,8 +185,8 @@ def _as_waveform(audio: Any):
 
     if isinstance(audio, tuple):
         audio, rate = audio
-        if int(rate) != SAMPLING_RATE:
-            raise ValueError(f"audio must be at {SAMPLING_RATE} Hz (got {rate}); resample it first")
+        if int(rate) != AUDIO_SAMPLE_RATE:
+            raise ValueError(f"audio must be at {AUDIO_SAMPLE_RATE} Hz (got {rate}); resample it first")
     wave = np.asarray(audio, dtype=np.float32)
     if wave.ndim != 1:
         raise ValueError(f"audio must be a mono 1-D waveform, got shape {wave.shape}")

@@ -8,6 +8,8 @@ import numpy as np
 from PIL import Image
 
 AUDIO_SAMPLE_RATE = 16_000
+"""The rate of every family's Whisper-style feature extractor: the tiny checkpoints are built with it,
+the HF reference takes audio at it, and sample clips are made at it."""
 
 
 def sample_image(seed: int = 0, size: tuple[int, int] = (112, 84)) -> Image.Image:

@@ -55,10 +55,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmserve_dev.samples import AUDIO_SAMPLE_RATE
+
 # Bump whenever anything below changes what is written: existing directories are then rebuilt.
 BUILDER_VERSION = 1
 MARKER_FILE = "mmserve_tiny_model.json"
-FAMILIES: tuple[str, ...] = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio")
+FAMILY_NAMES: tuple[str, ...] = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio")
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "models"
 
 # ---------------------------------------------------------------------------------------------------
@@ -95,7 +97,6 @@ AUDIO_ENCODER = dict(
 )
 MIN_PIXELS = 56 * 56  # 3136
 MAX_PIXELS = 448 * 448  # 200704: at most (448/14/2)^2 = 256 placeholder tokens per image
-SAMPLING_RATE = 16_000
 
 BPE_VOCAB_SIZE = 1400  # byte-level BPE tokens before the special tokens
 # Weight scales, chosen so that greedy decoding depends strongly on the media (different images or
@@ -319,14 +320,14 @@ def _train_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return dict(model["vocab"]), merges
 
 
-def build_tokenizer(family: str):
+def build_tokenizer(family_name: str):
     """The family's tokenizer: the shared BPE vocabulary, then the family's special tokens."""
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
     vocab, merges = _train_bpe()
     base = len(vocab)
-    for i, token in enumerate(SPECIAL_TOKENS[family]):
+    for i, token in enumerate(SPECIAL_TOKENS[family_name]):
         vocab[token] = base + i
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
@@ -339,20 +340,20 @@ def build_tokenizer(family: str):
         clean_up_tokenization_spaces=False,
         split_special_tokens=False,
         model_max_length=MAX_POSITIONS,
-        extra_special_tokens=dict(TOKENIZER_TOKEN_ATTRIBUTES[family]),
+        extra_special_tokens=dict(TOKENIZER_TOKEN_ATTRIBUTES[family_name]),
     )
     tokenizer.add_special_tokens(
         {
             "extra_special_tokens": [
-                AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS[family]
+                AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS[family_name]
             ]
         },
         replace_extra_special_tokens=False,
     )
-    tokenizer.chat_template = CHAT_TEMPLATES[family]
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS[family]}
-    assert ids == {t: base + i for i, t in enumerate(SPECIAL_TOKENS[family])}, ids
-    assert len(tokenizer) == base + len(SPECIAL_TOKENS[family]), len(tokenizer)
+    tokenizer.chat_template = CHAT_TEMPLATES[family_name]
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS[family_name]}
+    assert ids == {t: base + i for i, t in enumerate(SPECIAL_TOKENS[family_name])}, ids
+    assert len(tokenizer) == base + len(SPECIAL_TOKENS[family_name]), len(tokenizer)
     return tokenizer
 
 
@@ -382,7 +383,7 @@ def _text_config(vocab_size: int, ids: dict[str, int], *, mrope: bool, **extra) 
     )
 
 
-def build_config(family: str, tokenizer):
+def build_config(family_name: str, tokenizer):
     """The family's HF config (the top-level config that goes into config.json)."""
     from transformers import (
         Qwen2_5_VLConfig,
@@ -392,9 +393,9 @@ def build_config(family: str, tokenizer):
         Qwen2AudioConfig,
     )
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS[family]}
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS[family_name]}
     vocab_size = len(tokenizer)
-    if family == "qwen2_5_vl":
+    if family_name == "qwen2_5_vl":
         config = Qwen2_5_VLConfig(
             text_config=_text_config(vocab_size, ids, mrope=True, bos_token_id=None),
             vision_config=dict(VISION, tokens_per_second=2),
@@ -405,14 +406,14 @@ def build_config(family: str, tokenizer):
             tie_word_embeddings=False,
         )
         config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-    elif family == "qwen2_audio":
+    elif family_name == "qwen2_audio":
         config = Qwen2AudioConfig(
             audio_config=dict(AUDIO_ENCODER, model_type="qwen2_audio_encoder"),
             text_config=_text_config(vocab_size, ids, mrope=False, model_type="qwen2"),
             audio_token_index=ids["<|AUDIO|>"],
         )
         config.architectures = ["Qwen2AudioForConditionalGeneration"]
-    elif family == "qwen2_5_omni":
+    elif family_name == "qwen2_5_omni":
         user_ids = tokenizer.encode("user", add_special_tokens=False)
         # The media token ids the thinker and the talker configs both carry.
         media_ids = dict(
@@ -463,12 +464,12 @@ def build_config(family: str, tokenizer):
         config = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, enable_audio_output=False)
         config.architectures = ["Qwen2_5OmniModel"]
     else:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+        raise ValueError(f"unknown family {family_name!r}; expected one of {FAMILY_NAMES}")
     config.dtype = "float32"
     return config
 
 
-def build_processor(family: str, tokenizer):
+def build_processor(family_name: str, tokenizer):
     """The family's HF processor around ``tokenizer`` (image processor / feature extractor sized here)."""
     from transformers import (
         Qwen2_5_VLProcessor,
@@ -496,7 +497,7 @@ def build_processor(family: str, tokenizer):
     def feature_extractor():
         return WhisperFeatureExtractor(
             feature_size=AUDIO_ENCODER["num_mel_bins"],
-            sampling_rate=SAMPLING_RATE,
+            sampling_rate=AUDIO_SAMPLE_RATE,
             hop_length=160,
             chunk_length=30,
             n_fft=400,
@@ -504,19 +505,19 @@ def build_processor(family: str, tokenizer):
             return_attention_mask=True,
         )
 
-    template = CHAT_TEMPLATES[family]
-    if family == "qwen2_5_vl":
+    template = CHAT_TEMPLATES[family_name]
+    if family_name == "qwen2_5_vl":
         return Qwen2_5_VLProcessor(
             image_processor=image_processor(),
             tokenizer=tokenizer,
             video_processor=video_processor(),
             chat_template=template,
         )
-    if family == "qwen2_audio":
+    if family_name == "qwen2_audio":
         return Qwen2AudioProcessor(
             feature_extractor=feature_extractor(), tokenizer=tokenizer, chat_template=template
         )
-    if family == "qwen2_5_omni":
+    if family_name == "qwen2_5_omni":
         return Qwen2_5OmniProcessor(
             image_processor=image_processor(),
             video_processor=video_processor(),
@@ -524,7 +525,7 @@ def build_processor(family: str, tokenizer):
             tokenizer=tokenizer,
             chat_template=template,
         )
-    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    raise ValueError(f"unknown family {family_name!r}; expected one of {FAMILY_NAMES}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -541,7 +542,7 @@ def _sinusoids(length: int, channels: int, max_timescale: float = 10_000.0):
     return np.concatenate([np.sin(scaled), np.cos(scaled)], axis=1)
 
 
-def _init_parameters(model, family: str, seed: int) -> None:
+def _init_parameters(model, family_name: str, seed: int) -> None:
     """Re-draw every parameter, each from its own generator seeded by (seed, family, name).
 
     Independent of HF's init order, and different across families that share parameter names. Drawn
@@ -566,19 +567,19 @@ def _init_parameters(model, family: str, seed: int) -> None:
                     std = TEXT_QK_STD
                 else:
                     std = INIT_STD
-                rng = np.random.Generator(np.random.PCG64([seed, zlib.crc32(f"{family}/{name}".encode())]))
+                rng = np.random.Generator(np.random.PCG64([seed, zlib.crc32(f"{family_name}/{name}".encode())]))
                 table = rng.standard_normal(tuple(param.shape)) * std
             param.copy_(torch.from_numpy(np.asarray(table, dtype=np.float32)))
 
 
-def _model_class(family: str):
+def _model_class(family_name: str):
     import transformers
 
     return {
         "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
         "qwen2_audio": transformers.Qwen2AudioForConditionalGeneration,
         "qwen2_5_omni": transformers.Qwen2_5OmniForConditionalGeneration,
-    }[family]
+    }[family_name]
 
 
 # transformers 5.19 writes Qwen2-Audio's text model as language_model.model.model.*; the hub layout
@@ -588,7 +589,7 @@ _KEY_FIXES: dict[str, list[tuple[str, str]]] = {
 }
 
 
-def _write_weights(model, family: str, out_dir: Path) -> None:
+def _write_weights(model, family_name: str, out_dir: Path) -> None:
     """save_pretrained's key layout, fixed where needed, written as one deterministic safetensors file."""
     from safetensors.torch import load_file, save_file
 
@@ -600,7 +601,7 @@ def _write_weights(model, family: str, out_dir: Path) -> None:
             state.update(load_file(str(f)))
     fixed = {}
     for key, tensor in state.items():
-        for pattern, repl in _KEY_FIXES.get(family, []):
+        for pattern, repl in _KEY_FIXES.get(family_name, []):
             key = re.sub(pattern, repl, key)
         fixed[key] = tensor.contiguous()
     save_file(dict(sorted(fixed.items())), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -621,35 +622,35 @@ def _generation_config(tokenizer):
 
 @dataclass(frozen=True)
 class _Marker:
-    family: str
+    family_name: str
     builder_version: int
     seed: int
 
     def dumps(self) -> str:
         return json.dumps(
-            {"family": self.family, "builder_version": self.builder_version, "seed": self.seed},
+            {"family": self.family_name, "builder_version": self.builder_version, "seed": self.seed},
             indent=2,
             sort_keys=True,
         ) + "\n"
 
 
-def is_built(family: str, out_dir: Path, *, seed: int = 0) -> bool:
+def is_built(family_name: str, out_dir: Path, *, seed: int = 0) -> bool:
     """True when ``out_dir`` holds this builder version's ``family`` checkpoint for ``seed``."""
     marker = Path(out_dir) / MARKER_FILE
     if not marker.is_file():
         return False
     try:
-        return marker.read_text() == _Marker(family, BUILDER_VERSION, seed).dumps()
+        return marker.read_text() == _Marker(family_name, BUILDER_VERSION, seed).dumps()
     except OSError:
         return False
 
 
-def build(family: str, out_dir: Path, *, seed: int = 0, force: bool = False) -> Path:
+def build(family_name: str, out_dir: Path, *, seed: int = 0, force: bool = False) -> Path:
     """Write the tiny ``family`` checkpoint to ``out_dir`` (skipped when already built) and return it."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if family_name not in FAMILY_NAMES:
+        raise ValueError(f"unknown family {family_name!r}; expected one of {FAMILY_NAMES}")
     out_dir = Path(out_dir)
-    if not force and is_built(family, out_dir, seed=seed):
+    if not force and is_built(family_name, out_dir, seed=seed):
         return out_dir
 
     import torch
@@ -663,16 +664,16 @@ def build(family: str, out_dir: Path, *, seed: int = 0, force: bool = False) -> 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        tokenizer = build_tokenizer(family)
-        config = build_config(family, tokenizer)
-        model = _model_class(family)(config).eval().to(torch.float32)
-        _init_parameters(model, family, seed)
+        tokenizer = build_tokenizer(family_name)
+        config = build_config(family_name, tokenizer)
+        model = _model_class(family_name)(config).eval().to(torch.float32)
+        _init_parameters(model, family_name, seed)
 
         config.save_pretrained(staging)
-        _write_weights(model, family, staging)
+        _write_weights(model, family_name, staging)
         _generation_config(tokenizer).save_pretrained(staging)
-        build_processor(family, tokenizer).save_pretrained(staging)
-        (staging / MARKER_FILE).write_text(_Marker(family, BUILDER_VERSION, seed).dumps())
+        build_processor(family_name, tokenizer).save_pretrained(staging)
+        (staging / MARKER_FILE).write_text(_Marker(family_name, BUILDER_VERSION, seed).dumps())
 
         staging.chmod(0o755)
         for f in staging.iterdir():
@@ -683,7 +684,7 @@ def build(family: str, out_dir: Path, *, seed: int = 0, force: bool = False) -> 
             staging.rename(out_dir)
         except OSError:
             # Another process finished the same build first: keep its (identical) result.
-            if not is_built(family, out_dir, seed=seed):
+            if not is_built(family_name, out_dir, seed=seed):
                 raise
     finally:
         hf_logging.set_verbosity(verbosity)
@@ -695,7 +696,7 @@ def build(family: str, out_dir: Path, *, seed: int = 0, force: bool = False) -> 
 def build_all(
     root: Path = DEFAULT_ROOT,
     *,
-    families: Sequence[str] = FAMILIES,
+    families: Sequence[str] = FAMILY_NAMES,
     seed: int = 0,
     force: bool = False,
     log: Callable[[str], None] = print,
@@ -703,15 +704,15 @@ def build_all(
     """Build every family (or ``families``) under ``root/<family>/``; returns family -> directory."""
     root = Path(root)
     paths: dict[str, Path] = {}
-    for family in families:
-        out_dir = root / family
-        if not force and is_built(family, out_dir, seed=seed):
-            log(f"[tiny_models] {family}: up to date at {out_dir}")
+    for family_name in families:
+        out_dir = root / family_name
+        if not force and is_built(family_name, out_dir, seed=seed):
+            log(f"[tiny_models] {family_name}: up to date at {out_dir}")
         else:
             start = time.perf_counter()
-            build(family, out_dir, seed=seed, force=True)
-            log(f"[tiny_models] {family}: built at {out_dir} in {time.perf_counter() - start:.1f}s")
-        paths[family] = out_dir
+            build(family_name, out_dir, seed=seed, force=True)
+            log(f"[tiny_models] {family_name}: built at {out_dir} in {time.perf_counter() - start:.1f}s")
+        paths[family_name] = out_dir
     return paths
 
 
@@ -733,12 +734,12 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=DEFAULT_ROOT, help=f"root directory (default {DEFAULT_ROOT})"
     )
     parser.add_argument(
-        "--family", action="append", choices=FAMILIES, help="family to build (repeatable; default all)"
+        "--family", dest="family_name", action="append", choices=FAMILY_NAMES, help="family to build (repeatable; default all)"
     )
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
     args = parser.parse_args(argv)
-    build_all(args.out, families=tuple(args.family or FAMILIES), seed=args.seed, force=args.force)
+    build_all(args.out, families=tuple(args.family_name or FAMILY_NAMES), seed=args.seed, force=args.force)
     return 0
 
 

@@ -27,6 +27,10 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
+from mmserve.serving.embedded import use_utf8_locale
+
+use_utf8_locale()  # first: before torch or vLLM read a file (see its docstring)
+
 from mmserve.serving.llm import HealthConfig, LLMConfig, LLMService, parse_request
 from mmserve.serving.metrics import TritonMetrics, TritonStatLogger
 from mmserve.serving.triton import parameters, read_input, triton_error

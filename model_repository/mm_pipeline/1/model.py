@@ -9,6 +9,10 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
+from mmserve.serving.embedded import use_utf8_locale
+
+use_utf8_locale()  # first: before torch or vLLM read a file (see its docstring)
+
 from mmserve.serving.pipeline import Pipeline
 
 

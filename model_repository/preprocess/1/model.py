@@ -6,9 +6,11 @@ Inputs : text_input (BYTES [1], UTF-8); optional image (BYTES [n], encoded files
 Outputs: input_ids (INT64 [tokens], placeholders expanded), pixel_values, image_grid_thw,
          input_features, feature_attention_mask (empty when the request has no such media).
 
-Parameters (config.pbtxt, all strings): ``model`` (the checkpoint; ``MMSERVE_MODEL`` overrides it);
-the request limits ``max_request_bytes`` (64 MiB), ``max_images`` (4), ``max_image_pixels``
-(16777216), ``max_audio_clips`` (2), ``max_audio_seconds`` (empty or ``window``: the model's audio
+Parameters (config.pbtxt, all strings): ``engine_config`` (the engine's ``model.json``, relative to
+this model's folder: its ``model`` is the checkpoint whose processor runs here, so the checkpoint is
+configured once; ``MMSERVE_MODEL`` overrides it for both); the request limits ``max_request_bytes``
+(64 MiB), ``max_images`` and ``max_audio_clips`` (default and ceiling: the engine's
+``limit_mm_per_prompt``), ``max_image_pixels`` (16777216), ``max_audio_seconds`` (empty or ``window``: the model's audio
 window, 30 s for Whisper-style encoders), ``max_total_audio_seconds`` (60), ``max_prompt_tokens``
 (32768); ``user_control_tokens`` (``escape``, the default, or ``reject``: special tokens typed in
 the user's text); ``torch_threads`` (``auto``: the cores this process may use, shared out among
@@ -25,20 +27,25 @@ The logic lives in mmserve.serving.preprocess; see docs/tensors.md.
 
 import json
 import logging
+import os
+
+from mmserve.serving.embedded import use_utf8_locale
+
+use_utf8_locale()  # first: before torch or vLLM read a file (see its docstring)
 
 import torch
 import triton_python_backend_utils as pb_utils
 
-from mmserve.inputs import resolve_model
+from mmserve.inputs import mm_limits, read_engine_config
 from mmserve.serving.preprocess import (
     PreprocessError,
     PreprocessLimits,
     Preprocessor,
     threads_per_instance,
 )
+from mmserve.serving.triton import error_response, parameters, read_input
 
 logger = logging.getLogger("preprocess")
-from mmserve.serving.triton import error_response, parameters, read_input
 
 
 def _input(request, name):
@@ -58,9 +65,10 @@ class TritonPythonModel:
         torch.set_num_threads(threads)
         logger.info("%s: %d torch thread(s) per instance, %d instance(s)", args.get("model_instance_name", "preprocess"),
                     threads, instances)
+        engine = read_engine_config(os.path.join(args["model_repository"], config.get("engine_config") or ""))
         self.preprocessor = Preprocessor(
-            resolve_model(config.get("model") or None, args["model_repository"]),
-            limits=PreprocessLimits.from_parameters(config),
+            engine["model"],
+            limits=PreprocessLimits.from_parameters(config, mm_limits(engine)),
             user_control_tokens=config.get("user_control_tokens") or "escape",
         )
 

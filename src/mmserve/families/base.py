@@ -11,41 +11,20 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from mmserve.errors import ProcessedInputError
+from mmserve.wire import TensorSpec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
-@dataclass(frozen=True)
-class FieldSpec:
-    """One tensor of a modality, as the HF processor outputs it for all items of a request."""
-
-    name: str
-    dtype: str
-    """The HF processor's output dtype (numpy name), also the Triton tensor's. Validation accepts any
-    dtype of the same kind (floating point or integer): offline callers may pass e.g. bfloat16."""
-    dims: tuple[str | int, ...]
-    """Symbolic dims (named when variable, an int when fixed), e.g. ``("images", 3)``."""
-    meaning: str
-
-    @property
-    def ndim(self) -> int:
-        return len(self.dims)
-
-    @property
-    def is_float(self) -> bool:
-        return self.dtype.startswith(("float", "bfloat"))
-
-    @property
-    def shape(self) -> str:
-        return "(" + ", ".join(str(d) for d in self.dims) + ")"
-
-    @property
-    def triton_dims(self) -> tuple[int, ...]:
-        return tuple(d if isinstance(d, int) else -1 for d in self.dims)
+FieldSpec = TensorSpec
+"""One tensor of a modality, as the HF processor outputs it for all items of a request."""
 
 
 class ModalitySpec(ABC):
@@ -118,15 +97,19 @@ class ModalitySpec(ABC):
         return tensors
 
     @abstractmethod
-    def validate(self, data: Mapping[str, torch.Tensor], mm_config: Any) -> None:
-        """Check shapes and values across fields; raise ``ProcessedInputError``."""
+    def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
+        """Check shapes and values across fields; raise ``ProcessedInputError``.
+
+        ``hf_config`` (here and below) is the model's HF config as vLLM's processing info of the
+        family's model returns it (``get_hf_config()``: Qwen2.5-Omni's ``thinker_config``)."""
 
     @abstractmethod
-    def fields_config(self, data: Mapping[str, torch.Tensor], mm_config: Any) -> Mapping[str, Any]:
-        """vLLM ``MultiModalFieldConfig`` per field: how the batch splits into items."""
+    def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
+        """vLLM ``MultiModalFieldConfig`` (``mmserve.vllm_seam.MultiModalFieldConfig``) per field:
+        how the batch splits into items."""
 
     @abstractmethod
-    def expected_tokens(self, item: Mapping[str, torch.Tensor], mm_config: Any) -> int:
+    def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
         """Placeholder tokens one item occupies in the expanded prompt."""
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:

@@ -5,13 +5,16 @@ only pick these up with their own placeholder tokens."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from mmserve.errors import ProcessedInputError
 from mmserve.families.base import FieldSpec, ModalitySpec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class QwenVisionImage(ModalitySpec):
@@ -42,15 +45,15 @@ class QwenVisionImage(ModalitySpec):
         )
 
     @staticmethod
-    def _vision(mm_config: Any) -> tuple[int, int]:
-        vision = mm_config.vision_config
+    def _vision(hf_config: PretrainedConfig) -> tuple[int, int]:
+        vision = hf_config.vision_config
         channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", 3)
         patch_dim = channels * vision.temporal_patch_size * vision.patch_size**2
         return patch_dim, vision.spatial_merge_size
 
-    def validate(self, data: Mapping[str, torch.Tensor], mm_config: Any) -> None:
+    def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
         pixel_values, grid = data["pixel_values"], data["image_grid_thw"]
-        patch_dim, merge = self._vision(mm_config)
+        patch_dim, merge = self._vision(hf_config)
         if grid.shape[1] != 3 or grid.shape[0] == 0:
             raise ProcessedInputError(
                 "image", field="image_grid_thw", expected="shape (images >= 1, 3)",
@@ -77,8 +80,8 @@ class QwenVisionImage(ModalitySpec):
                 found=f"{pixel_values.shape[0]} rows",
             )
 
-    def fields_config(self, data: Mapping[str, torch.Tensor], mm_config: Any) -> Mapping[str, Any]:
-        from vllm.multimodal.inputs import MultiModalFieldConfig
+    def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
+        from mmserve.vllm_seam import MultiModalFieldConfig
 
         return {
             "pixel_values": MultiModalFieldConfig.flat_from_sizes(
@@ -87,8 +90,8 @@ class QwenVisionImage(ModalitySpec):
             "image_grid_thw": MultiModalFieldConfig.batched("image"),
         }
 
-    def expected_tokens(self, item: Mapping[str, torch.Tensor], mm_config: Any) -> int:
-        _, merge = self._vision(mm_config)
+    def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
+        _, merge = self._vision(hf_config)
         return int(item["image_grid_thw"].prod()) // merge**2
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
@@ -133,9 +136,9 @@ class WhisperAudio(ModalitySpec):
             ),
         )
 
-    def validate(self, data: Mapping[str, torch.Tensor], mm_config: Any) -> None:
+    def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
         features, mask = data["input_features"], data["feature_attention_mask"]
-        audio = mm_config.audio_config
+        audio = hf_config.audio_config
         clips, mel_bins, frames = features.shape
         if clips == 0:
             raise ProcessedInputError(
@@ -177,15 +180,15 @@ class WhisperAudio(ModalitySpec):
                     expected=f"between 2 and {max_frames} valid frames", found=f"{length}",
                 )
 
-    def fields_config(self, data: Mapping[str, torch.Tensor], mm_config: Any) -> Mapping[str, Any]:
-        from vllm.multimodal.inputs import MultiModalFieldConfig
+    def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
+        from mmserve.vllm_seam import MultiModalFieldConfig
 
         return {
             "input_features": MultiModalFieldConfig.batched("audio"),
             "feature_attention_mask": MultiModalFieldConfig.batched("audio"),
         }
 
-    def expected_tokens(self, item: Mapping[str, torch.Tensor], mm_config: Any) -> int:
+    def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
         return whisper_output_length(int(item["feature_attention_mask"].sum()))
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:

@@ -4,7 +4,9 @@ their side straight to ``mm_llm``): the HF processor's own names, native dtypes 
 The feature tensors are the union of the families' fields (``mmserve.families``), so the families
 stay the one place that knows them. ``preprocess`` always outputs every feature tensor, empty (zero
 items) when the request has no media of that modality, so that one ensemble serves every family.
-``tests/test_serving.py`` checks the model repository's config.pbtxt files against this module.
+The request and response tensors around them are in ``mmserve.wire`` (which the client imports
+without torch); ``MM_LLM_INPUTS`` puts the two together. ``tests/test_serving.py`` checks the model
+repository's config.pbtxt files against this module.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from mmserve.families import FAMILIES, FieldSpec
+from mmserve.wire import CANCEL, GENERATION_INPUTS, TEXT_INPUT
 
 INPUT_IDS = FieldSpec(
     "input_ids", "int64", ("tokens",),
@@ -36,3 +39,7 @@ FEATURE_TENSORS: tuple[FieldSpec, ...] = _feature_tensors()
 def empty_feature(spec: FieldSpec) -> np.ndarray:
     """A zero-item tensor of ``spec``: variable dims 0, fixed dims kept."""
     return np.zeros(tuple(max(d, 0) for d in spec.triton_dims), dtype=spec.dtype)
+
+
+MM_LLM_INPUTS: tuple[FieldSpec, ...] = (INPUT_IDS, *FEATURE_TENSORS, TEXT_INPUT, *GENERATION_INPUTS, CANCEL)
+"""What ``mm_llm`` takes, in its config.pbtxt's order: only ``input_ids`` is required."""

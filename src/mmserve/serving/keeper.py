@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import threading
 import time
 import urllib.error
@@ -103,8 +104,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("models", nargs="+", help="the model to watch, then those to load with it, in order")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    keeper = ModelKeeper(args.url, args.models)
+
+    def on_signal(signum: int, frame: object) -> None:
+        keeper.stop(timeout=0)  # a container's PID 1 ignores SIGTERM unless it handles it
+
+    signal.signal(signal.SIGTERM, on_signal)
     try:
-        ModelKeeper(args.url, args.models).run()
+        keeper.run()
     except KeyboardInterrupt:
         pass
     return 0

@@ -24,25 +24,18 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMClientError
 from vllm.outputs import RequestOutput
 
+from mmserve import wire
 from mmserve.engine import EngineRunner
 from mmserve.errors import InputError, ServiceError, UnavailableError, public_error
 from mmserve.families import FamilySpec
-from mmserve.inputs import family_of_checkpoint, processed_prompt, resolve_model
+from mmserve.inputs import family_of_checkpoint, processed_prompt, read_engine_config
 from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
 from mmserve.serving.outbox import Outbox
 from mmserve.serving.sampling import parse_sampling_parameters
 
 logger = logging.getLogger(__name__)
 
-FLAG_INPUTS = (
-    "stream",
-    "exclude_input_in_output",
-    "return_finish_reason",
-    "return_cumulative_logprob",
-    "return_logprobs",
-    "return_num_input_tokens",
-    "return_num_output_tokens",
-)
+FLAG_INPUTS = wire.names(wire.FLAG_INPUTS)
 
 
 CANCEL_POLL_S = 0.1
@@ -75,10 +68,7 @@ class LLMConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> LLMConfig:
-        path = Path(path)
-        args = json.loads(path.read_text())
-        args["model"] = resolve_model(args.get("model"), path.parent)
-        return cls(args)
+        return cls(read_engine_config(path))
 
     @property
     def model(self) -> str:

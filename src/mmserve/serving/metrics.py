@@ -12,10 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.config import VllmConfig
-from vllm.v1.metrics.loggers import StatLoggerBase
-
 from mmserve.serving.outbox import Outbox
+from mmserve.vllm_seam import StatLoggerBase, VllmConfig
 
 # Latency buckets (seconds) as vLLM's Prometheus logger uses them.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from mmserve import wire
 from mmserve.errors import InputError, InternalError, ServiceError, UnavailableError
 from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
 from mmserve.serving.triton import error_response, triton_error
@@ -26,13 +27,9 @@ from mmserve.wire import TAG, TRITON_UNAVAILABLE
 
 logger = logging.getLogger(__name__)
 
-PREPROCESS_INPUTS = ("text_input", "image", "audio", "audio_pcm", "audio_sample_rate", "apply_chat_template")
-LLM_INPUTS = (
-    "text_input", "stream", "sampling_parameters", "exclude_input_in_output", "return_finish_reason",
-    "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens", "return_num_output_tokens",
-)
-OUTPUTS = ("text_output", "output_ids", "finish_reason", "cumulative_logprob", "logprobs",
-           "num_input_tokens", "num_output_tokens")
+PREPROCESS_INPUTS = wire.names(wire.PREPROCESS_INPUTS)
+LLM_INPUTS = wire.names((wire.TEXT_INPUT, *wire.GENERATION_INPUTS))  # passed on to mm_llm as they came
+OUTPUTS = wire.names(wire.OUTPUTS)
 CANCEL_POLL_S = 0.1
 
 

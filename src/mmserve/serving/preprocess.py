@@ -24,11 +24,13 @@ parameter                    default             what it bounds
 ===========================  ==================  ==========================================================
 ``max_request_bytes``        67108864 (64 MiB)   text + every media element as received (encoded files,
                                                  data URLs, float32 PCM); checked before any decoding
-``max_images``               4                   images per request (mm_llm's ``limit_mm_per_prompt``)
+``max_images``               the engine's        images per request; default and ceiling: mm_llm's
+                                                 ``limit_mm_per_prompt`` (4 when unknown)
 ``max_image_pixels``         16777216 (16 MP)    width*height of one image, read from its header before
                                                  any pixel is decoded, whatever PIL's global
                                                  ``MAX_IMAGE_PIXELS`` (which can only refuse earlier)
-``max_audio_clips``          2                   ``audio`` and ``audio_pcm`` clips together per request
+``max_audio_clips``          the engine's        ``audio`` and ``audio_pcm`` clips together per request;
+                                                 default and ceiling as ``max_images`` (2 when unknown)
 ``max_audio_seconds``        the model's window  one clip. Default (``None``; ``"window"`` or empty in
                                                  config.pbtxt): ``n_samples / sampling_rate`` of the
                                                  feature extractor, 30 s for Whisper-style encoders. A
@@ -166,10 +168,15 @@ class PreprocessLimits:
                 raise ValueError(f"{field.name}: expected a finite number, found {value!r}")
 
     @classmethod
-    def from_parameters(cls, parameters: Mapping[str, str]) -> PreprocessLimits:
+    def from_parameters(
+        cls, parameters: Mapping[str, str], engine_mm_limits: Mapping[str, int] | None = None
+    ) -> PreprocessLimits:
         """The limits set among Triton model ``parameters`` (string values; other keys ignored).
 
         An absent or empty value keeps the default; ``max_audio_seconds`` also takes ``"window"``.
+        ``engine_mm_limits`` (the engine's ``limit_mm_per_prompt``, ``mmserve.inputs.mm_limits``)
+        is the default of ``max_images`` and ``max_audio_clips`` and their ceiling: a request the
+        engine would refuse is refused here, before any decoding.
         """
         values: dict[str, Any] = {}
         for field in fields(cls):
@@ -182,6 +189,15 @@ class PreprocessLimits:
             except ValueError:
                 kind = "a number of seconds" if seconds else "an integer"
                 raise ValueError(f"parameter {field.name}: expected {kind}, found {text!r}") from None
+        for name, modality in (("max_images", "image"), ("max_audio_clips", "audio")):
+            engine = (engine_mm_limits or {}).get(modality)
+            if engine is None:
+                continue
+            if name not in values:
+                values[name] = engine
+            elif values[name] > engine:
+                raise ValueError(f"parameter {name}: {values[name]} exceeds the engine's limit_mm_per_prompt "
+                                 f"of {engine} {modality} items (mm_llm/model.json); leave it empty to follow it")
         return cls(**values)
 
 

@@ -42,9 +42,9 @@ from typing import Any
 from vllm import SamplingParams
 from vllm.exceptions import VLLMClientError
 from vllm.sampling_params import RequestOutputKind
-from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from mmserve.errors import InputError
+from mmserve.vllm_seam import MsgpackDecoder, MsgpackEncoder
 
 PREFIX = "sampling_parameters: "
 

@@ -20,14 +20,17 @@ from mmserve_dev.triton.process import TritonServer
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mmserve_dev.triton",
-        description="Run tritonserver (CPU, Python backend) in the foreground on 127.0.0.1.",
+        description="Run tritonserver (CPU, Python backend) in the foreground (on 127.0.0.1 unless --host).",
     )
     parser.add_argument("--model-repository", required=True, action="append", help="may be repeated")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address the endpoints bind (0.0.0.0 in a container; default 127.0.0.1)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--log-verbose", type=int, default=0)
-    parser.add_argument("--log-file", default=None, help="server log (default: a temporary file)")
+    parser.add_argument("--log-file", default=None,
+                        help="server log (default: a temporary file; '-': this process's stdout, as in a container)")
     parser.add_argument("--shm-default-byte-size", type=int, default=None)
     parser.add_argument("--backend-config", action="append", default=[], help="BACKEND,KEY=VALUE; may be repeated")
     parser.add_argument("--model-control-mode", default="explicit", choices=["none", "explicit", "poll"],
@@ -51,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_models=args.load_model or ("*",),
         shm_default_byte_size=args.shm_default_byte_size,
         keep_loaded=[name for name in args.keep_loaded.split(",") if name],
+        host=args.host,
     )
 
     def on_sigterm(signum: int, frame: object) -> None:
@@ -62,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.suppress(AttributeError):
         signal.signal(signal.SIGHUP, on_sigterm)
     try:
-        print(f"starting tritonserver (log: {server.log_path}) ...", flush=True)
+        print(f"starting tritonserver (log: {server.log_path or 'stdout'}) ...", flush=True)
         t0 = time.monotonic()
         server.start(timeout=args.start_timeout)
         print(f"ready in {time.monotonic() - t0:.1f} s", flush=True)

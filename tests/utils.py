@@ -1,0 +1,294 @@
+"""Helpers shared by the tests (the fixtures that use them are in conftest.py).
+
+- Engine tests: the engine settings, request builders (raw media and the HF processor's output),
+  the Omni workload's cases, concurrent submission.
+- Live-server tests (test_e2e_*.py, test_faults.py): the e2e workload and its offline-vLLM
+  references, endpoints, the project's client (``mmserve.client``) set up for them, raw sends
+  (tensors over gRPC, JSON over HTTP) for the requests that are malformed on purpose, metrics,
+  the engine's processes. Every server test runs after all other tests (conftest reorders them), so
+  one engine is alive at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mmserve_dev.samples import AUDIO_SAMPLE_RATE
+
+if TYPE_CHECKING:
+    from mmserve.client import Generation, MMClient, Result
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 12
+
+
+# -- engine tests -------------------------------------------------------------------------------------
+# Engine settings every engine test shares: exact float32 numerics (parity with HF), eager mode
+# (no compile time on 2 cores), a fixed seed, prefix caching on.
+ENGINE_ARGS: dict[str, Any] = {
+    "dtype": "float32",
+    "max_model_len": 2048,
+    "max_num_seqs": 16,
+    "enforce_eager": True,
+    "seed": 0,
+    "limit_mm_per_prompt": {"image": 3, "audio": 2},
+    "enable_prefix_caching": True,
+}
+
+
+@dataclass
+class Request:
+    """One test request in both forms: raw media and the HF processor's output."""
+
+    name: str
+    text: str
+    images: list[Any] = field(default_factory=list)
+    audios: list[np.ndarray] = field(default_factory=list)
+    hf_inputs: Any = None
+
+    def raw_prompt(self) -> dict[str, Any]:
+        mm: dict[str, Any] = {}
+        if self.images:
+            mm["image"] = self.images
+        if self.audios:
+            mm["audio"] = [(a, AUDIO_SAMPLE_RATE) for a in self.audios]
+        prompt: dict[str, Any] = {"prompt": self.text}
+        if mm:
+            prompt["multi_modal_data"] = mm
+        return prompt
+
+
+def make_request(reference, name: str, parts: list[str], *, seed: int = 0, question: str = "Describe it.") -> Request:
+    """Parts like ["image", "audio", "image"], in prompt order; media seeded from ``seed``."""
+    from mmserve_dev.hf_reference import chat_prompt
+    from mmserve_dev.samples import sample_audio, sample_image
+
+    images = [sample_image(seed + 10 * i, size=(112 + 28 * (i % 2), 84)) for i, p in enumerate(parts) if p == "image"]
+    audios = [sample_audio(seed + 10 * i, seconds=1.0 + 0.5 * (i % 2)) for i, p in enumerate(parts) if p == "audio"]
+    text = chat_prompt(reference.family_name, reference.processor, [*parts, f"text:{question}"])
+    request = Request(name, text, images, audios)
+    request.hf_inputs = reference.processor_inputs(text, images, audios)
+    return request
+
+
+# The Omni workload shared by the parity, concurrency and chunked-prefill tests: every case the issue
+# names, then more requests with other media (seeds), each with its HF transformers reference.
+OMNI_CASES: dict[str, list[str]] = {
+    "text_only": [],
+    "image_only": ["image"],
+    "audio_only": ["audio"],
+    "image_audio": ["image", "audio"],
+    "interleaved": ["image", "audio", "image"],
+    "two_images": ["image", "image"],
+}
+
+
+def greedy(max_tokens: int = MAX_TOKENS):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def processed(family_name: str, request: Request) -> dict[str, Any]:
+    from mmserve.families import get_family
+    from mmserve.inputs import processed_prompt
+
+    return processed_prompt(get_family(family_name), request.hf_inputs["input_ids"], request.hf_inputs)
+
+
+async def run_concurrently(engine, prompts: list[dict[str, Any]], *, stagger_s: float) -> list[list[int]]:
+    """Submit ``prompts`` with staggered arrivals (later ones prefill while earlier ones decode)."""
+    import asyncio
+
+    async def one(index: int, prompt: dict[str, Any]) -> list[int]:
+        await asyncio.sleep(index * stagger_s)
+        output = await engine.generate(prompt, greedy())
+        return list(output.outputs[0].token_ids)
+
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+# -- the live server: workload and references ---------------------------------------------------------
+CASES: dict[str, list[str]] = {
+    "text_only": [],
+    "image": ["image"],
+    "audio": ["audio"],
+    "image_audio": ["image", "audio"],
+    "two_images": ["image", "image"],
+}
+ENTRIES = ("mm_pipeline", "mm_ensemble")
+
+
+@dataclass
+class Case:
+    name: str
+    text: str
+    images: list[bytes]
+    audios: list[bytes]
+    ids: list[int] | None = None  # offline vLLM's greedy output
+    output: str | None = None
+
+
+def make_case(name: str, parts: list[str], seed: int) -> Case:
+    from mmserve_dev.samples import encode_audio, encode_image, sample_audio, sample_image
+
+    images = [encode_image(sample_image(seed + i, size=(112 + 28 * (i % 2), 84))) for i, p in enumerate(parts) if p == "image"]
+    audios = [encode_audio(sample_audio(seed + i, seconds=1.0 + 0.5 * (i % 2))) for i, p in enumerate(parts) if p == "audio"]
+    return Case(name, ["Describe it.", "What is this?", "Say more."][seed % 3], images, audios)
+
+
+WORKLOAD = [make_case(name, parts, seed) for seed in range(4) for name, parts in CASES.items()]  # 20 requests
+BY_NAME = {f"{c.name}#{i // len(CASES)}": c for i, c in enumerate(WORKLOAD)}
+
+
+def sampling(max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    return {"max_tokens": max_tokens, "temperature": 0.0}
+
+
+def compute_references(model: str, engine_args: dict[str, Any]) -> dict[str, Case]:
+    """Offline vLLM on the raw inputs: chat template applied by the HF processor, media decoded."""
+    import soundfile
+    from PIL import Image
+    from vllm import SamplingParams
+
+    from mmserve.engine import EngineRunner
+    from mmserve_dev.hf_reference import chat_prompt, load_processor
+
+    processor = load_processor(model)
+    params = SamplingParams(**sampling())
+    with EngineRunner(model, **engine_args) as engine:
+        for case in WORKLOAD:
+            parts = ["image"] * len(case.images) + ["audio"] * len(case.audios) + [f"text:{case.text}"]
+            mm: dict[str, Any] = {}
+            if case.images:
+                mm["image"] = [Image.open(io.BytesIO(b)).convert("RGB") for b in case.images]
+            if case.audios:
+                mm["audio"] = [(soundfile.read(io.BytesIO(b), dtype="float32")[0], AUDIO_SAMPLE_RATE) for b in case.audios]
+            prompt: dict[str, Any] = {"prompt": chat_prompt("qwen2_5_omni", processor, parts)}
+            if mm:
+                prompt["multi_modal_data"] = mm
+            completion = engine.generate_sync(prompt, params).outputs[0]
+            case.ids, case.output = list(completion.token_ids), completion.text
+    return BY_NAME
+
+
+@dataclass
+class Endpoints:
+    grpc: str  # host:port
+    http: str | None  # host:port
+    metrics: str | None  # full URL of /metrics
+    server: Any = None  # the TritonServer when the suite started it (None: an external server)
+
+
+# -- sends -------------------------------------------------------------------------------------------
+def client(server: Endpoints, **kwargs: Any) -> MMClient:
+    """The project's client on the server's gRPC endpoint (``MMClient`` arguments in ``kwargs``)."""
+    from mmserve.client import MMClient
+
+    kwargs.setdefault("timeout", 180)  # a test that waits fails instead of hanging
+    return MMClient(server.grpc, **kwargs)
+
+
+def send_tensors(server: Endpoints, model: str, tensors: dict[str, np.ndarray]) -> list[Result]:
+    """Named tensors as they are (malformed on purpose, or processed here) to a decoupled ``model``
+    over a gRPC stream, through the client: its responses. ``ClientError`` on an error response."""
+    with client(server).start_tensors(tensors, model=model) as generation:
+        return list(generation)
+
+
+def infer_tensors(server: Endpoints, model: str, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A plain (non-decoupled) gRPC infer, e.g. to ``preprocess``: its outputs; ``ClientError`` on an error."""
+    return client(server).infer_tensors(tensors, model=model)
+
+
+def http_generate(server: Endpoints, model: str, body: bytes | dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST to Triton's generate endpoint; (HTTP status, JSON body)."""
+    import requests
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    reply = requests.post(f"http://{server.http}/v2/models/{model}/generate", data=data, timeout=120,
+                          headers={"Content-Type": "application/json"})
+    try:
+        return reply.status_code, reply.json()
+    except ValueError:
+        return reply.status_code, {"error": reply.text}
+
+
+# -- server state ---------------------------------------------------------------------------------
+def http_status(server: Endpoints, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://{server.http}{path}", timeout=5) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def metric(server: Endpoints, name: str) -> float:
+    text = urllib.request.urlopen(server.metrics, timeout=10).read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name) and 'model="mm_llm"' in line]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
+    deadline = time.time() + timeout
+    while not condition():
+        if time.time() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+def generated_after_cancel(server: Endpoints, start: Callable[[], Generation]) -> tuple[float, float]:
+    """``start()`` a request (``MMClient.start``), cancel it once generation runs; (tokens generated
+    when the client cancelled, tokens generated in all once the engine is idle)."""
+    def generated() -> float:
+        return metric(server, "vllm:generation_tokens_total")
+
+    before = generated()
+    with start() as generation:
+        assert wait_for(lambda: generated() > before + 10, 60), "generation did not start"
+        at_cancel = generated() - before
+        generation.cancel()
+    last = [generated()]
+
+    def settled() -> bool:
+        time.sleep(2)
+        now = generated()
+        done, last[0] = now == last[0], now
+        return done
+
+    assert wait_for(settled, 180)
+    return at_cancel, last[0] - before
+
+
+def engine_core_pids(server: Endpoints) -> list[int]:
+    """The server's vLLM engine core processes (only when the suite started the server)."""
+    import psutil
+
+    assert server.server is not None
+    pids = []
+    for process in psutil.Process(server.server.pid).children(recursive=True):
+        try:
+            title = " ".join(process.cmdline()[:1])  # vLLM sets it: VLLM::EngineCore
+            if "EngineCore" in title and process.status() != psutil.STATUS_ZOMBIE:
+                pids.append(process.pid)
+        except psutil.Error:  # gone, or a zombie (Triton's auto-complete stubs exit at start)
+            continue
+    return pids
+
+
+def shm_leftovers() -> set[str]:
+    return set(os.listdir("/dev/shm"))
