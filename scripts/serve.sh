@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
 # The main job: the real tritonserver on 127.0.0.1 with model_repository/ (preprocess -> mm_llm
 # ensemble) and the embedded default model (tiny Qwen2.5-Omni), after building the environment and the
-# checkpoints if needed. Ctrl-C stops everything (engine processes and shared memory included).
+# checkpoints if needed, and the OpenAI-compatible gateway beside it once the server is ready.
+# Ctrl-C stops everything (engine processes and shared memory included).
 #
 #   scripts/serve.sh [--model DIR] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
+#                    [--openai-port 9000 | --no-openai] [--preset NAME]
 #
 # --model DIR      serve another local checkpoint (sets MMSERVE_MODEL for preprocess and mm_llm)
+# --preset NAME    engine arguments of deploy/presets/NAME/model.json (a real checkpoint: with --model DIR)
+# --openai-port N  the gateway's port (/v1/chat/completions, /v1/models, /health; default 9000)
+# --no-openai      tritonserver alone
 # Environment: VLLM_CPU_KVCACHE_SPACE (GiB of KV cache on the CPU, default 2), MMSERVE_VENV.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
-http=8000 grpc=8001 metrics=8002
+http=8000 grpc=8001 metrics=8002 openai=9000 preset=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model) export MMSERVE_MODEL=$(cd "$2" && pwd); shift 2 ;;
     --http-port) http=$2; shift 2 ;;
     --grpc-port) grpc=$2; shift 2 ;;
     --metrics-port) metrics=$2; shift 2 ;;
-    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --openai-port) openai=$2; shift 2 ;;
+    --no-openai) openai=""; shift ;;
+    --preset) preset=$2; shift 2 ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -28,9 +36,63 @@ VENV=${MMSERVE_VENV:-$ROOT/.venv}
 "$VENV/bin/python" -m mmserve_dev.tiny_models
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 
+# --preset: a copy of the repository whose mm_llm/model.json (which preprocess reads too) is the preset's.
+repository="$ROOT/model_repository"
+if [[ -n $preset ]]; then
+  [[ -f deploy/presets/$preset/model.json ]] || { echo "no preset $preset in deploy/presets" >&2; exit 2; }
+  "$VENV/bin/python" -c 'import os, sys; from mmserve.inputs import read_engine_config
+model = read_engine_config(sys.argv[1])["model"]
+os.path.isdir(model) or sys.exit(f"the checkpoint {model} is not there: give --model DIR")' "deploy/presets/$preset/model.json"
+  repository="${TMPDIR:-/tmp}/mmserve-preset-$preset-$(id -u)"
+  rm -rf "$repository" && cp -r "$ROOT/model_repository" "$repository"
+  cp "deploy/presets/$preset/model.json" "$repository/mm_llm/model.json"
+fi
+
 hint="Try it:
   $VENV/bin/python client/mm_client.py \"Describe the picture.\" --image examples/media/picture.png --audio examples/media/tone.wav --url {grpc}
   $VENV/bin/python client/mm_client.py \"Hello\" --protocol http --url {http} --no-stream"
-exec "$VENV/bin/python" -m mmserve_dev.triton --model-repository "$ROOT/model_repository" \
-  --http-port "$http" --grpc-port "$grpc" --metrics-port "$metrics" \
-  --shm-default-byte-size $((32 * 1024 * 1024)) --keep-loaded mm_llm,mm_ensemble --hint "$hint"
+triton=("$VENV/bin/python" -m mmserve_dev.triton --model-repository "$repository"
+  --http-port "$http" --grpc-port "$grpc" --metrics-port "$metrics"
+  --shm-default-byte-size $((32 * 1024 * 1024)) --keep-loaded mm_llm,mm_ensemble --hint "$hint")
+if [[ -z $openai ]]; then
+  exec "${triton[@]}"
+fi
+
+# Both in sessions of their own, so that a Ctrl-C reaches this script only, which stops each once
+# (SIGTERM: the launcher's complete stop; uvicorn's graceful shutdown).
+triton_pid="" gateway_pid=""
+stop() {
+  trap '' INT TERM HUP
+  [[ -n $gateway_pid ]] && kill -TERM "$gateway_pid" 2>/dev/null || true
+  [[ -n $triton_pid ]] && kill -TERM "$triton_pid" 2>/dev/null || true
+  wait 2>/dev/null || true
+  exit "${1:-0}"
+}
+trap 'stop 0' INT TERM HUP
+
+setsid "${triton[@]}" &
+triton_pid=$!
+ready() { "$VENV/bin/python" -c "import urllib.request, sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; }
+until ready "http://127.0.0.1:$http/v2/health/ready"; do
+  kill -0 "$triton_pid" 2>/dev/null || { wait "$triton_pid" || code=$?; exit "${code:-1}"; }
+  sleep 1
+done
+
+setsid "$VENV/bin/python" -m mmserve.gateway --triton-url "127.0.0.1:$grpc" --host 127.0.0.1 --port "$openai" \
+  --log-level warning &
+gateway_pid=$!
+for _ in $(seq 60); do
+  ready "http://127.0.0.1:$openai/v1/models" && break
+  kill -0 "$gateway_pid" 2>/dev/null || { echo "the OpenAI gateway did not start; stopping" >&2; stop 1; }
+  sleep 0.5
+done
+cat <<MSG
+OpenAI   http://127.0.0.1:$openai/v1  (chat completions, models; /health)
+  curl -s http://127.0.0.1:$openai/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "mm_pipeline", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
+MSG
+
+# Whichever ends first (a fault, or a signal) takes the other down.
+wait -n "$triton_pid" "$gateway_pid" || true
+echo "$(kill -0 "$triton_pid" 2>/dev/null && echo "the OpenAI gateway" || echo tritonserver) exited; stopping" >&2
+stop 1

@@ -430,6 +430,34 @@ def test_triton_model_reads_its_parameters_and_answers_every_error(triton_model,
         assert message in response.error.message()
 
 
+def test_triton_model_takes_a_conversation(triton_model, preprocessor):
+    """The messages input reaches the Preprocessor (text_input absent or empty), and its errors are
+    answered INVALID_ARG."""
+    model, _ = triton_model()
+    png = solid_image(8, 8)
+    conversation = json.dumps([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]},
+                               {"role": "assistant", "content": "Hello."},
+                               {"role": "user", "content": "Describe it."}]).encode()
+    images = np.array([png], dtype=np.object_)
+    ok, empty_text, both, two, neither = model.execute([
+        _request(messages=_text(conversation), image=images),
+        _request(messages=_text(conversation), image=images, text_input=_text(b"")),
+        _request(messages=_text(conversation), image=images, text_input=_text(b"x")),
+        _request(messages=np.array([conversation, conversation], dtype=np.object_), image=images),
+        _request(image=images),
+    ])
+    expected = preprocessor(messages=conversation, images=[png])["input_ids"]
+    for response in (ok, empty_text):
+        assert response.error is None
+        ids = {t.name(): t.as_numpy() for t in response.output_tensors}["input_ids"]
+        np.testing.assert_array_equal(ids, expected)
+    for response, message in [(both, "messages: text_input must be absent or empty when messages is given"),
+                              (two, "messages: expected exactly one JSON string, found 2"),
+                              (neither, "text_input: required (BYTES [1], the prompt), or messages")]:
+        assert response.error.code() == _TritonError.INVALID_ARG
+        assert message in response.error.message()
+
+
 def test_triton_model_hides_internal_faults(triton_model, caplog):
     model, _ = triton_model()
 

@@ -177,7 +177,9 @@ def test_model_repository_configs_follow_the_tensor_contract():
     preprocess, llm, ensemble, pipeline = (
         _model_config(n) for n in ("preprocess", "mm_llm", "mm_ensemble", "mm_pipeline"))
     outputs = [entry[:3] for entry in _expected(wire.OUTPUTS)]
-    # text_input is required everywhere, but marked optional so that the model answers its absence.
+    # text_input is required everywhere (or messages, a conversation), but marked optional so that
+    # the model answers its absence.
+    assert {"text_input", "messages", "image", "audio"} <= set(wire.names(wire.PREPROCESS_INPUTS))
     assert _listed(preprocess.input) == _expected(wire.PREPROCESS_INPUTS)
     assert [entry[:3] for entry in _listed(preprocess.output)] == \
         [entry[:3] for entry in _expected((INPUT_IDS, *FEATURE_TENSORS))]
@@ -194,6 +196,7 @@ def test_model_repository_configs_follow_the_tensor_contract():
     first, second = ensemble.ensemble_scheduling.step
     assert (first.model_name, second.model_name) == ("preprocess", "mm_llm")
     assert dict(first.input_map) == {name: name for name in wire.names(wire.PREPROCESS_INPUTS)}
+    assert first.input_map["messages"] == "messages"
     internal = {first.output_map[name]: name for name in first.output_map}
     assert set(internal.values()) == {s.name for s in (INPUT_IDS, *FEATURE_TENSORS)}
     assert {key: value for key, value in second.input_map.items() if value in internal} == \

@@ -138,6 +138,7 @@ class Case:
     audios: list[bytes]
     ids: list[int] | None = None  # offline vLLM's greedy output
     output: str | None = None
+    messages: list[dict[str, Any]] | None = None  # a conversation (preprocess's messages input) instead of text
 
 
 def make_case(name: str, parts: list[str], seed: int) -> Case:
@@ -152,12 +153,34 @@ WORKLOAD = [make_case(name, parts, seed) for seed in range(4) for name, parts in
 BY_NAME = {f"{c.name}#{i // len(CASES)}": c for i, c in enumerate(WORKLOAD)}
 
 
+def make_conversation() -> Case:
+    """A multi-turn conversation (the ``messages`` input): system, a user turn with an image, the
+    assistant's answer, a user turn with an audio clip; the media are the request's ``image`` and
+    ``audio`` in the order of their parts."""
+    from mmserve_dev.samples import encode_audio, encode_image, sample_audio, sample_image
+
+    messages = [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]},
+        {"role": "assistant", "content": "Colourful stripes."},
+        {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "And what do you hear here?"}]},
+    ]
+    return Case("conversation", "", [encode_image(sample_image(7, size=(140, 84)))],
+                [encode_audio(sample_audio(7, seconds=1.5))], messages=messages)
+
+
+CONVERSATION = make_conversation()
+"""Not in ``BY_NAME`` (its requests send text); ``compute_references`` fills its ``ids`` and ``output`` too."""
+
+
 def sampling(max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     return {"max_tokens": max_tokens, "temperature": 0.0}
 
 
 def compute_references(model: str, engine_args: dict[str, Any]) -> dict[str, Case]:
-    """Offline vLLM on the raw inputs: chat template applied by the HF processor, media decoded."""
+    """Offline vLLM on the raw inputs: chat template applied by the HF processor, media decoded.
+
+    The workload's cases by name; ``CONVERSATION``'s reference is filled in as well."""
     import soundfile
     from PIL import Image
     from vllm import SamplingParams
@@ -168,14 +191,16 @@ def compute_references(model: str, engine_args: dict[str, Any]) -> dict[str, Cas
     processor = load_processor(model)
     params = SamplingParams(**sampling())
     with EngineRunner(model, **engine_args) as engine:
-        for case in WORKLOAD:
+        for case in [*WORKLOAD, CONVERSATION]:
             parts = ["image"] * len(case.images) + ["audio"] * len(case.audios) + [f"text:{case.text}"]
             mm: dict[str, Any] = {}
             if case.images:
                 mm["image"] = [Image.open(io.BytesIO(b)).convert("RGB") for b in case.images]
             if case.audios:
                 mm["audio"] = [(soundfile.read(io.BytesIO(b), dtype="float32")[0], AUDIO_SAMPLE_RATE) for b in case.audios]
-            prompt: dict[str, Any] = {"prompt": chat_prompt("qwen2_5_omni", processor, parts)}
+            prompt: dict[str, Any] = {"prompt": chat_prompt("qwen2_5_omni", processor, parts) if case.messages is None
+                                      else processor.apply_chat_template(case.messages, add_generation_prompt=True,
+                                                                         tokenize=False)}
             if mm:
                 prompt["multi_modal_data"] = mm
             completion = engine.generate_sync(prompt, params).outputs[0]

@@ -10,6 +10,11 @@ Library use::
 
     http = MMClient("127.0.0.1:8000", protocol="http")        # /v2/models/<model>/generate[_stream]
 
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+                    {"role": "assistant", "content": "A cat."},
+                    {"role": "user", "content": "And its color?"}]
+    client.generate(messages=conversation, images=["cat.png"])  # a whole conversation (docs/tensors.md)
+
     with client.start("Count.", max_tokens=3000) as generation:  # gRPC: a handle on the request
         for response in generation:                           # Result per streamed delta
             if enough(response):
@@ -49,6 +54,8 @@ PIPELINE = "mm_pipeline"
 ENSEMBLE = "mm_ensemble"
 LLM = "mm_llm"
 Media = str | Path | bytes
+Messages = Sequence[Mapping[str, Any]] | str
+"""A conversation: chat messages (serialized as JSON here), or their JSON text."""
 
 
 @dataclass
@@ -82,6 +89,11 @@ def error_code(message: str) -> str | None:
 
 def _read(media: Media) -> bytes:
     return media if isinstance(media, bytes) else Path(media).read_bytes()
+
+
+def _messages_json(messages: Messages) -> str:
+    """The ``messages`` tensor's text: the conversation as JSON (a ``str`` is taken as JSON already)."""
+    return messages if isinstance(messages, str) else json.dumps(list(messages), ensure_ascii=False)
 
 
 def _data_url(media: Media) -> str:
@@ -120,14 +132,18 @@ class MMClient:
             self._preprocessor = Preprocessor(model)
 
     # -- public API ----------------------------------------------------------------------------
-    def stream(self, text: str, images: Sequence[Media] = (), audios: Sequence[Media] = (), **options: Any) -> Iterator[str]:
+    def stream(self, text: str = "", images: Sequence[Media] = (), audios: Sequence[Media] = (),
+               **options: Any) -> Iterator[str]:
         """Yield text deltas as the server streams them."""
         for response in self._responses(text, images, audios, stream=True, **options):
             yield response.text
 
-    def generate(self, text: str, images: Sequence[Media] = (), audios: Sequence[Media] = (), *,
+    def generate(self, text: str = "", images: Sequence[Media] = (), audios: Sequence[Media] = (), *,
                  stream: bool = False, **options: Any) -> Result:
-        """Generate to completion; with ``stream`` the deltas are joined."""
+        """Generate to completion; with ``stream`` the deltas are joined.
+
+        ``messages=`` (here, in ``stream`` and ``start``): a whole conversation instead of ``text``;
+        its image and audio parts refer, in order, to ``images`` and ``audios``."""
         result = Result(text="")
         for response in self._responses(text, images, audios, stream=stream, **options):
             result.text += response.text
@@ -138,14 +154,14 @@ class MMClient:
                 result.num_output_tokens = (result.num_output_tokens or 0) + response.num_output_tokens
         return result
 
-    def start(self, text: str, images: Sequence[Media] = (), audios: Sequence[Media] = (), *,
-              stream: bool = True, **options: Any) -> Generation:
+    def start(self, text: str = "", images: Sequence[Media] = (), audios: Sequence[Media] = (), *,
+              stream: bool = True, messages: Messages | None = None, **options: Any) -> Generation:
         """Send a request (gRPC) and return at once: iterate the ``Generation`` for its responses (a
         ``Result`` per delta; one in all without ``stream``), or ``cancel()`` it from any thread."""
         if self.protocol != "grpc":
             raise ValueError("start() streams over gRPC: use protocol='grpc'")
         params, flags, apply_chat_template = self._options(stream, **options)
-        tensors = self._tensors(text, images, audios, apply_chat_template)
+        tensors = self._tensors(text, images, audios, apply_chat_template, messages)
         tensors["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=np.object_)
         for name, value in flags.items():
             tensors[name] = np.array([value])
@@ -194,22 +210,27 @@ class MMClient:
         return self.sampling_parameters(**sampling), flags, apply_chat_template
 
     def _responses(self, text: str, images: Sequence[Media], audios: Sequence[Media], *, stream: bool,
-                   **options: Any) -> Iterator[Result]:
+                   messages: Messages | None = None, **options: Any) -> Iterator[Result]:
         if self.protocol == "http":
-            yield from self._http(text, images, audios, *self._options(stream, **options))
+            yield from self._http(text, images, audios, *self._options(stream, **options), messages)
         else:
-            with self.start(text, images, audios, stream=stream, **options) as generation:
+            with self.start(text, images, audios, stream=stream, messages=messages, **options) as generation:
                 yield from generation
 
     def _tensors(self, text: str, images: Sequence[Media], audios: Sequence[Media],
-                 apply_chat_template: bool) -> dict[str, np.ndarray]:
+                 apply_chat_template: bool, messages: Messages | None = None) -> dict[str, np.ndarray]:
+        conversation = None if messages is None else _messages_json(messages)
         if self._preprocessor is not None:
             processed = self._preprocessor(text, [_read(m) for m in images], [_read(m) for m in audios],
-                                           apply_chat_template=apply_chat_template)
+                                           apply_chat_template=apply_chat_template, messages=conversation)
             processed["text_input"] = np.array([text.encode()], dtype=np.object_)
             return processed
         tensors = {"text_input": np.array([text.encode()], dtype=np.object_),
                    "apply_chat_template": np.array([apply_chat_template])}
+        if conversation is not None:
+            tensors["messages"] = np.array([conversation.encode()], dtype=np.object_)
+            if not text:
+                del tensors["text_input"]
         if images:
             tensors["image"] = np.array([_read(m) for m in images], dtype=np.object_)
         if audios:
@@ -217,11 +238,15 @@ class MMClient:
         return tensors
 
     # -- HTTP: the generate endpoints (JSON, so media travel as data URLs) --------------------------
-    def _http(self, text, images, audios, params, flags, apply_chat_template) -> Iterator[Result]:
+    def _http(self, text, images, audios, params, flags, apply_chat_template, messages=None) -> Iterator[Result]:
         import requests
 
         body: dict[str, Any] = {"text_input": text, "apply_chat_template": apply_chat_template,
                                 "sampling_parameters": json.dumps(params), **flags}
+        if messages is not None:
+            body["messages"] = _messages_json(messages)
+            if not text:
+                del body["text_input"]
         if images:
             body["image"] = [_data_url(m) for m in images]
         if audios:

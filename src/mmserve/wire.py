@@ -54,8 +54,11 @@ def _flag(name: str, meaning: str) -> TensorSpec:
 
 
 # ------------------------------------------------------------------------------------- requests
-TEXT_INPUT = TensorSpec("text_input", "object", (1,), "the prompt (UTF-8); required. mm_llm echoes it "
-                        "before the output unless exclude_input_in_output")
+TEXT_INPUT = TensorSpec("text_input", "object", (1,), "the prompt (UTF-8); required unless messages. mm_llm "
+                        "echoes it before the output unless exclude_input_in_output")
+MESSAGES = TensorSpec("messages", "object", (1,), "a whole conversation instead of text_input: a UTF-8 JSON "
+                      "array of chat messages whose media parts refer, in order, to image and the audio clips "
+                      "(docs/tensors.md)")
 RAW_MEDIA_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("image", "object", ("images",), "encoded image files (PNG, JPEG, ...) or data: URLs"),
     TensorSpec("audio", "object", ("clips",), "encoded audio files (WAV, FLAC, MP3, ...) or data: URLs"),
@@ -63,8 +66,8 @@ RAW_MEDIA_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("audio_sample_rate", "int32", (1,), "audio_pcm's sample rate in Hz; required with it"),
     _flag("apply_chat_template", "wrap text_input in the model's chat template (default true)"),
 )
-PREPROCESS_INPUTS: tuple[TensorSpec, ...] = (TEXT_INPUT, *RAW_MEDIA_INPUTS)
-"""What ``preprocess`` takes: one raw request."""
+PREPROCESS_INPUTS: tuple[TensorSpec, ...] = (TEXT_INPUT, *RAW_MEDIA_INPUTS, MESSAGES)
+"""What ``preprocess`` takes: one raw request (a prompt in ``text_input``, or a conversation in ``messages``)."""
 
 STREAM = _flag("stream", "one response per generated delta (default false: one response)")
 SAMPLING_PARAMETERS = TensorSpec("sampling_parameters", "object", (1,),

@@ -1,8 +1,9 @@
 """preprocess: one raw request -> the model's HF processor output (Triton adapter).
 
-Inputs : text_input (BYTES [1], UTF-8); optional image (BYTES [n], encoded files or data URLs),
-         audio (BYTES [n], encoded files or data URLs), audio_pcm (FP32 [samples], one mono clip)
-         with audio_sample_rate (INT32 [1]), apply_chat_template (BOOL [1], default true).
+Inputs : text_input (BYTES [1], UTF-8), or messages (BYTES [1], a conversation as UTF-8 JSON);
+         optional image (BYTES [n], encoded files or data URLs), audio (BYTES [n], encoded files or
+         data URLs), audio_pcm (FP32 [samples], one mono clip) with audio_sample_rate (INT32 [1]),
+         apply_chat_template (BOOL [1], default true; not false with messages).
 Outputs: input_ids (INT64 [tokens], placeholders expanded), pixel_values, image_grid_thw,
          input_features, feature_attention_mask (empty when the request has no such media).
 
@@ -12,7 +13,7 @@ configured once; ``MMSERVE_MODEL`` overrides it for both); the request limits ``
 (64 MiB), ``max_images`` and ``max_audio_clips`` (default and ceiling: the engine's
 ``limit_mm_per_prompt``), ``max_image_pixels`` (16777216), ``max_audio_seconds`` (empty or ``window``: the model's audio
 window, 30 s for Whisper-style encoders), ``max_total_audio_seconds`` (60), ``max_prompt_tokens``
-(32768); ``user_control_tokens`` (``escape``, the default, or ``reject``: special tokens typed in
+(32768), ``max_messages`` (64); ``user_control_tokens`` (``escape``, the default, or ``reject``: special tokens typed in
 the user's text); ``torch_threads`` (``auto``: the cores this process may use, shared out among
 the model's instances; or a number). An absent or empty value keeps the default; a bad one fails the
 model's loading.
@@ -85,10 +86,13 @@ class TritonPythonModel:
 
     def _preprocess(self, request):
         text = _input(request, "text_input")
-        if text is None:
-            raise PreprocessError("text_input: required (BYTES [1], the prompt)")
-        if text.size != 1:
+        messages = _input(request, "messages")
+        if text is None and messages is None:
+            raise PreprocessError("text_input: required (BYTES [1], the prompt), or messages (BYTES [1], a conversation)")
+        if text is not None and text.size != 1:
             raise PreprocessError(f"text_input: expected exactly one prompt string, found {text.size}")
+        if messages is not None and messages.size != 1:
+            raise PreprocessError(f"messages: expected exactly one JSON string, found {messages.size}")
         pcm = _input(request, "audio_pcm")
         clips = []
         if pcm is not None and pcm.size:
@@ -98,9 +102,10 @@ class TritonPythonModel:
             clips.append((pcm.reshape(-1), int(rate.reshape(-1)[0])))
         template = _input(request, "apply_chat_template")
         return self.preprocessor(
-            text.reshape(-1)[0],  # bytes: the preprocessor decodes UTF-8 and names a bad byte
+            None if text is None else text.reshape(-1)[0],  # bytes: the preprocessor decodes UTF-8, names a bad byte
             images=_items(_input(request, "image")),
             audios=_items(_input(request, "audio")),
             pcm=clips,
             apply_chat_template=True if template is None or template.size == 0 else bool(template.reshape(-1)[0]),
+            messages=None if messages is None else messages.reshape(-1)[0],
         )

@@ -91,8 +91,8 @@ class Pipeline:
         request_id = uuid.uuid4().hex
         try:
             given = {name: pb.get_input_tensor_by_name(request, name) for name in (*PREPROCESS_INPUTS, *LLM_INPUTS)}
-            if given["text_input"] is None:  # not every Triton frontend checks required inputs
-                raise InputError("text_input: required (BYTES [1], the prompt)")
+            if given["text_input"] is None and given["messages"] is None:  # not every frontend checks inputs
+                raise InputError("text_input: required (BYTES [1], the prompt), or messages (BYTES [1], a conversation)")
             processed = pb.InferenceRequest(
                 model_name=self.preprocess,
                 inputs=[given[n] for n in PREPROCESS_INPUTS if given[n] is not None],

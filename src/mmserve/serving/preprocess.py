@@ -2,8 +2,8 @@
 
 Contract
 --------
-``Preprocessor(model)(text, images, audios, pcm, apply_chat_template=True)`` returns ``input_ids``
-(chat template applied, every media placeholder expanded) and every feature tensor of
+``Preprocessor(model)(text, images, audios, pcm, apply_chat_template=True, messages=None)`` returns
+``input_ids`` (chat template applied, every media placeholder expanded) and every feature tensor of
 ``mmserve.serving.contract``, as numpy arrays; a modality without media gives a zero-item tensor.
 
 * ``text``: the prompt, ``str`` or UTF-8 ``bytes`` (what Triton's BYTES tensors hold). With
@@ -13,6 +13,16 @@ Contract
 * ``audios``: encoded files (WAV, FLAC, OGG, MP3), mixed down to mono, resampled to the feature
   extractor's rate.
 * ``pcm``: ``(samples, sample_rate)`` pairs of mono float PCM; they follow ``audios`` in the prompt.
+* ``messages``: a whole conversation instead of ``text`` (which must then be empty, and
+  ``apply_chat_template`` true): UTF-8 JSON (``str`` or ``bytes``), an array of
+  ``{"role": "system"|"user"|"assistant", "content": <string> | [<part>, ...]}`` with parts
+  ``{"type": "text", "text": <string>}``, ``{"type": "image"}``, ``{"type": "audio"}``. No other key
+  is accepted anywhere (the chat templates read any ``image``/``audio``/``text`` key as a part of
+  that kind); media parts only in user messages; an array content is non-empty; the last message
+  is the user's (the prompt ends with the generation prompt: the model answers it). The media
+  parts refer, in order of appearance across the whole conversation, to ``images`` (image parts)
+  and to the clips (audio parts: ``audios``, then ``pcm``), and their counts must match. The model's
+  chat template renders the conversation, the parts in their order.
 
 Over JSON transports (Triton's HTTP generate endpoint) bytes can't travel, so a media element may
 also be a ``data:<mime>;base64,<...>`` URL.
@@ -22,8 +32,10 @@ Limits (``PreprocessLimits``; each is a ``parameters`` entry of the same name in
 ===========================  ==================  ==========================================================
 parameter                    default             what it bounds
 ===========================  ==================  ==========================================================
-``max_request_bytes``        67108864 (64 MiB)   text + every media element as received (encoded files,
-                                                 data URLs, float32 PCM); checked before any decoding
+``max_request_bytes``        67108864 (64 MiB)   text (or the messages JSON) + every media element as
+                                                 received (encoded files, data URLs, float32 PCM);
+                                                 checked before any decoding or JSON parsing
+``max_messages``             64                  messages of a conversation (``messages``)
 ``max_images``               the engine's        images per request; default and ceiling: mm_llm's
                                                  ``limit_mm_per_prompt`` (4 when unknown)
 ``max_image_pixels``         16777216 (16 MP)    width*height of one image, read from its header before
@@ -58,6 +70,10 @@ processed again on its own to find it (on that error path only; success costs no
 Non-finite values (NaN/Inf) are refused in the decoded audio and in every float feature tensor:
 they would poison the engine's KV cache for later, unrelated requests.
 
+Errors of ``messages`` name the place: ``messages: ...`` (the JSON as a whole, the media counts),
+``messages[i]: ...`` (a message), ``messages[i].content[j]: ...`` (a part), e.g.
+``messages: 2 image parts but 1 image given``.
+
 Control tokens in user text
 ---------------------------
 With the chat template applied, the tokenizer's special tokens typed by the user (``<|im_start|>``,
@@ -67,8 +83,11 @@ request. Escaping runs only when the text contains one of those strings: the tem
 with a one-token sentinel in place of the text, the processor runs on that, and the sentinel's id
 (with the plain text around it up to the nearest special token, so that token boundaries are the
 natural ones) is replaced by the user's text tokenized with ``split_special_tokens=True``. The
-processor therefore never sees the user's text on that path. With ``apply_chat_template=False`` the
-caller writes the whole prompt on purpose, placeholders included, and it is used as it is.
+processor therefore never sees the user's text on that path. In a conversation every text (content
+string or text part, of any role) is such a text: each one holding a special-token string is replaced
+by its own sentinel, and the sentinels are spliced in order (sentinels with only plain text between
+them form one run, tokenized as one text). With ``apply_chat_template=False`` the caller writes the
+whole prompt on purpose, placeholders included, and it is used as it is.
 """
 
 from __future__ import annotations
@@ -76,10 +95,11 @@ from __future__ import annotations
 import base64
 import copy
 import io
+import json
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
@@ -154,6 +174,7 @@ class PreprocessLimits:
     """``None``: the feature extractor's window (``n_samples / sampling_rate``)."""
     max_total_audio_seconds: float = 60.0
     max_prompt_tokens: int = 32_768
+    max_messages: int = 64
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -211,29 +232,181 @@ class _Clip:
 
 
 @dataclass
-class _UserText:
-    """An escaped user message: where its sentinel sits in the processor's ids, what replaces it."""
+class _Run:
+    """Escaped texts whose sentinels have only plain text between them: where the run sits in the
+    processor's ids, and what replaces it."""
 
-    lead_ids: list[int]  # plain text between the previous special token and the sentinel
-    trail_ids: list[int]  # plain text between the sentinel and the next special token
-    ids: list[int]  # lead + user text + trail, special-token strings tokenized as plain text
+    sentinels: int  # how many sentinels (escaped texts) the run holds
+    lead: int  # ids of the plain text between the previous special token and the first sentinel
+    expected: list[int]  # the processor's ids of the run: lead, sentinel, (plain text, sentinel)..., trail
+    ids: list[int]  # lead + text (+ plain text + text)... + trail, special-token strings as plain text
+
+
+ROLES = ("system", "user", "assistant")
+PART_TYPES = ("text", "image", "audio")
+_PART_KEYS = {"text": {"type", "text"}, "image": {"type"}, "audio": {"type"}}
+
+
+@dataclass(frozen=True)
+class _Text:
+    """One text of a conversation: where it is (for errors and to replace it) and what it says."""
+
+    where: str  # "messages[1].content[2]", "messages[0].content", "text_input"
+    message: int
+    part: int | None  # None: the message's content is this string
+    text: str
+
+
+@dataclass
+class _Conversation:
+    """A validated ``messages`` input: the messages in the HF form the chat templates take."""
+
+    messages: list[dict[str, Any]]
+    texts: list[_Text]  # every text, in order
+    images: int  # image parts
+    audios: int  # audio parts
 
 
 _BYTES_LIKE = (bytes, bytearray)
 
 
-def decode_text(text: str | bytes) -> str:
-    """``text_input`` as a ``str``; invalid UTF-8 is an error naming the byte offset."""
+def decode_text(text: str | bytes, what: str = "text_input") -> str:
+    """``text_input`` (or the input ``what``) as a ``str``; invalid UTF-8 is an error naming the byte offset."""
     if isinstance(text, str):
         return text
     if not isinstance(text, _BYTES_LIKE):
-        raise PreprocessError(f"text_input: expected a UTF-8 string, found {type(text).__name__}")
+        raise PreprocessError(f"{what}: expected a UTF-8 string, found {type(text).__name__}")
     try:
         return bytes(text).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PreprocessError(
-            f"text_input: invalid UTF-8 at byte {exc.start} (0x{exc.object[exc.start]:02x}): {exc.reason}"
+            f"{what}: invalid UTF-8 at byte {exc.start} (0x{exc.object[exc.start]:02x}): {exc.reason}"
         ) from None
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, for messages: "an object", "a number", ..."""
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "an empty array" if not value else "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "null" if value is None else type(value).__name__
+
+
+def _shown(value: Any, limit: int = 40) -> str:
+    """A JSON value as an error message shows it (cut short)."""
+    text = json.dumps(value, ensure_ascii=True)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _checked_text(where: str, text: str) -> str:
+    """``text`` if it can be encoded (JSON's \\u escapes can make a lone surrogate), else an error."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise PreprocessError(f"{where}: a lone surrogate (\\u{ord(text[exc.start]):04x}) at character "
+                              f"{exc.start} is not text") from None
+    return text
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _without_media(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with their media parts left out (a message left empty keeps an empty text)."""
+    plain = []
+    for message in messages:
+        content = message["content"]
+        if not isinstance(content, str):
+            content = [part for part in content if part["type"] == "text"] or [{"type": "text", "text": ""}]
+        plain.append({"role": message["role"], "content": content})
+    return plain
+
+
+def parse_messages(raw: str | bytes, *, max_messages: int) -> _Conversation:
+    """The ``messages`` input (UTF-8 JSON) validated: every error names the message and the part."""
+    text = decode_text(raw, "messages")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PreprocessError(f"messages: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise PreprocessError("messages: not valid JSON (nested too deeply)") from None
+    if not isinstance(value, list) or not value:
+        raise PreprocessError(f"messages: expected a non-empty JSON array of messages, found {_json_kind(value)}")
+    if len(value) > max_messages:
+        raise PreprocessError(f"messages: {len(value)} messages exceed the limit of {max_messages} (max_messages)")
+    messages: list[dict[str, Any]] = []
+    texts: list[_Text] = []
+    counts = {"image": 0, "audio": 0}
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise PreprocessError(f"{where}: expected a JSON object with role and content, found {_json_kind(message)}")
+        extra = sorted(set(message) - {"role", "content"})
+        if extra:
+            raise PreprocessError(f"{where}: unknown key(s) {extra} (a message has only role and content)")
+        if "role" not in message:
+            raise PreprocessError(f"{where}: missing role")
+        role = message["role"]
+        if not isinstance(role, str) or role not in ROLES:
+            raise PreprocessError(f"{where}: unknown role {_shown(role)} (expected 'system', 'user' or 'assistant')")
+        if "content" not in message:
+            raise PreprocessError(f"{where}: missing content")
+        content = message["content"]
+        if isinstance(content, str):
+            texts.append(_Text(f"{where}.content", i, None, _checked_text(f"{where}.content", content)))
+            messages.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise PreprocessError(
+                f"{where}: content is not a string or an array of parts (found {_json_kind(content)})")
+        if not content:
+            raise PreprocessError(f"{where}: content is an empty array (expected a string or a non-empty array of parts)")
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(content):
+            at = f"{where}.content[{j}]"
+            if not isinstance(part, dict):
+                raise PreprocessError(f"{at}: expected a JSON object with a type, found {_json_kind(part)}")
+            if "type" not in part:
+                raise PreprocessError(f"{at}: missing type")
+            kind = part["type"]
+            if not isinstance(kind, str) or kind not in PART_TYPES:
+                raise PreprocessError(f"{at}: unknown type {_shown(kind)} (expected 'text', 'image' or 'audio')")
+            extra = sorted(set(part) - _PART_KEYS[kind])
+            if extra:
+                allowed = " and ".join(sorted(_PART_KEYS[kind]))
+                raise PreprocessError(f"{at}: unknown key(s) {extra} ({_a(kind)} part has only {allowed})")
+            if kind == "text":
+                if "text" not in part:
+                    raise PreprocessError(f"{at}: missing text")
+                if not isinstance(part["text"], str):
+                    raise PreprocessError(f"{at}: text is not a string (found {_json_kind(part['text'])})")
+                texts.append(_Text(at, i, j, _checked_text(at, part["text"])))
+                parts.append({"type": "text", "text": part["text"]})
+            else:
+                if role != "user":
+                    raise PreprocessError(f"{at}: {_a(kind)} part in {_a(role)} message (media go in user messages only)")
+                counts[kind] += 1
+                parts.append({"type": kind})
+        messages.append({"role": role, "content": parts})
+    if messages[-1]["role"] != "user":
+        raise PreprocessError(
+            f"messages[{len(messages) - 1}]: the conversation must end with a user message, found "
+            f"{_a(messages[-1]['role'])} message (the model answers the last user message)"
+        )
+    return _Conversation(messages, texts, counts["image"], counts["audio"])
 
 
 def _byte_size(what: str, value: str | bytes) -> int:
@@ -242,7 +415,7 @@ def _byte_size(what: str, value: str | bytes) -> int:
         return len(value.encode())
     if isinstance(value, _BYTES_LIKE):
         return len(value)
-    expected = "a UTF-8 string" if what == "text_input" else "bytes or a data URL"
+    expected = "a UTF-8 string" if what in ("text_input", "messages") else "bytes or a data URL"
     raise PreprocessError(f"{what}: expected {expected}, found {type(value).__name__}")
 
 
@@ -389,33 +562,71 @@ class Preprocessor:
     # -- text ----------------------------------------------------------------------------------
     def chat_prompt(self, text: str, num_images: int, num_audios: int) -> str:
         """One user turn: the images, then the audio clips, then the text; generation prompt on."""
+        return self.render(self._user_turn(text, num_images, num_audios).messages)
+
+    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The chat template on ``messages`` (HF form), generation prompt on."""
+        return self.processor.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+
+    @staticmethod
+    def _user_turn(text: str, num_images: int, num_audios: int) -> _Conversation:
         content: list[dict[str, Any]] = [{"type": "image"}] * num_images
         content += [{"type": "audio"}] * num_audios
         content.append({"type": "text", "text": text})
-        messages = [{"role": "user", "content": content}]
-        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return _Conversation([{"role": "user", "content": content}], [_Text("text_input", 0, len(content) - 1, text)],
+                             num_images, num_audios)
 
-    def _user_prompt(self, text: str, num_images: int, num_audios: int) -> tuple[str, _UserText | None]:
+    def _user_prompt(self, text: str, num_images: int, num_audios: int) -> tuple[str, list[_Run] | None]:
         """The templated prompt, and how to splice the user's text back in when it is escaped."""
-        found = self._control_pattern.search(text)
-        if found is None:
-            return self.chat_prompt(text, num_images, num_audios), None
-        if self.user_control_tokens == "reject":
-            raise PreprocessError(
-                f"text_input: the control token {found.group()!r} at character {found.start()} is not "
-                "accepted in user text (user_control_tokens=reject)"
-            )
-        prompt = self.chat_prompt(self._sentinel, num_images, num_audios)
-        if prompt.count(self._sentinel) != 1:
-            raise RuntimeError(f"the chat template repeats the user text sentinel {self._sentinel!r}")
-        before, _, after = prompt.partition(self._sentinel)
-        lead = self._control_pattern.split(before)[-1]
-        trail = self._control_pattern.split(after)[0]
-        return prompt, _UserText(
-            lead_ids=self._tokenize(lead),
-            trail_ids=self._tokenize(trail),
-            ids=self._tokenize(lead + text + trail, split_special_tokens=True),
-        )
+        return self._templated(self._user_turn(text, num_images, num_audios))
+
+    def _templated(self, conversation: _Conversation) -> tuple[str, list[_Run] | None]:
+        """The templated conversation, and how to splice its escaped texts back in (None: none is)."""
+        escaped: list[_Text] = []
+        for text in conversation.texts:
+            found = self._control_pattern.search(text.text)
+            if found is None:
+                continue
+            if self.user_control_tokens == "reject":
+                raise PreprocessError(
+                    f"{text.where}: the control token {found.group()!r} at character {found.start()} is not "
+                    "accepted in user text (user_control_tokens=reject)"
+                )
+            escaped.append(text)
+        if not escaped:
+            return self.render(conversation.messages), None
+        messages = copy.deepcopy(conversation.messages)
+        for text in escaped:
+            if text.part is None:
+                messages[text.message]["content"] = self._sentinel
+            else:
+                messages[text.message]["content"][text.part]["text"] = self._sentinel
+        prompt = self.render(messages)
+        return prompt, self._runs(prompt, [text.text for text in escaped])
+
+    def _runs(self, prompt: str, texts: Sequence[str]) -> list[_Run]:
+        """How to splice ``texts`` (escaped, in order) over their sentinels in ``prompt``'s ids."""
+        segments = prompt.split(self._sentinel)
+        if len(segments) != len(texts) + 1:
+            raise RuntimeError(f"the chat template renders the user text sentinel {self._sentinel!r} "
+                               f"{len(segments) - 1} times for {len(texts)} escaped text(s)")
+        runs: list[_Run] = []
+        k = 0
+        while k < len(texts):
+            lead = self._control_pattern.split(segments[k])[-1]
+            lead_ids = self._tokenize(lead)
+            expected = [*lead_ids, self._sentinel_id]
+            joined, count = lead + texts[k], 1
+            # Only plain text up to the next sentinel: one run, tokenized as one text.
+            while k + 1 < len(texts) and not self._control_pattern.search(segments[k + 1]):
+                expected += [*self._tokenize(segments[k + 1]), self._sentinel_id]
+                joined += segments[k + 1] + texts[k + 1]
+                k, count = k + 1, count + 1
+            trail = self._control_pattern.split(segments[k + 1])[0]
+            expected += self._tokenize(trail)
+            runs.append(_Run(count, len(lead_ids), expected, self._tokenize(joined + trail, split_special_tokens=True)))
+            k += 1
+        return runs
 
     def _tokenize(self, text: str, *, split_special_tokens: bool = False) -> list[int]:
         if not text:
@@ -423,18 +634,24 @@ class Preprocessor:
         encoded = self.tokenizer(text, add_special_tokens=False, split_special_tokens=split_special_tokens)
         return list(encoded["input_ids"])
 
-    def _splice(self, input_ids: np.ndarray, user: _UserText) -> np.ndarray:
-        """``input_ids`` with the sentinel (and the plain text around it) replaced by the user's ids."""
+    def _splice(self, input_ids: np.ndarray, runs: Sequence[_Run]) -> np.ndarray:
+        """``input_ids`` with each run of sentinels (and the plain text around them) replaced by the
+        texts' ids, in order."""
         (where,) = np.nonzero(input_ids == self._sentinel_id)
-        if where.size != 1:
-            raise RuntimeError(f"the sentinel {self._sentinel!r} occurs {where.size} times in the prompt ids")
-        pos = int(where[0])
-        start, end = pos - len(user.lead_ids), pos + 1 + len(user.trail_ids)
-        if (start < 0 or input_ids[start:pos].tolist() != user.lead_ids
-                or input_ids[pos + 1:end].tolist() != user.trail_ids):
-            raise RuntimeError("the text around the user text sentinel tokenized differently in context")
-        ids = np.asarray(user.ids, dtype=input_ids.dtype)
-        return np.concatenate((input_ids[:start], ids, input_ids[end:]))
+        expected = sum(run.sentinels for run in runs)
+        if where.size != expected:
+            raise RuntimeError(f"the sentinel {self._sentinel!r} occurs {where.size} times in the prompt ids, "
+                               f"expected {expected}")
+        pieces, cursor, first = [], 0, 0
+        for run in runs:
+            start = int(where[first]) - run.lead
+            end = start + len(run.expected)
+            if start < cursor or input_ids[start:end].tolist() != run.expected:
+                raise RuntimeError("the text around the user text sentinel tokenized differently in context")
+            pieces += [input_ids[cursor:start], np.asarray(run.ids, dtype=input_ids.dtype)]
+            cursor, first = end, first + run.sentinels
+        pieces.append(input_ids[cursor:])
+        return np.concatenate(pieces)
 
     # -- request-level limits ------------------------------------------------------------------
     def _check_request(
@@ -443,8 +660,9 @@ class Preprocessor:
         images: Sequence[bytes | str],
         audios: Sequence[bytes | str],
         pcm: Sequence[tuple[np.ndarray, int]],
+        messages: str | bytes | None = None,
     ) -> None:
-        """Modalities, item counts and total size: all before anything is decoded."""
+        """Modalities, item counts and total size: all before anything is decoded (or parsed)."""
         limits = self.limits
         if images and "image" not in self.modalities:
             raise PreprocessError(f"image: the {self.family.name} model takes no images")
@@ -462,6 +680,7 @@ class Preprocessor:
             )
         text_bytes = _byte_size("text_input", text)
         total = text_bytes + sum(_byte_size(f"image[{i}]", item) for i, item in enumerate(images))
+        total += 0 if messages is None else _byte_size("messages", messages)
         total += sum(_byte_size(f"audio[{i}]", item) for i, item in enumerate(audios))
         total += sum(np.asarray(samples).nbytes for samples, _ in pcm)
         if total > limits.max_request_bytes:
@@ -469,12 +688,29 @@ class Preprocessor:
                 f"request: {total} bytes of text and media exceed the limit of {limits.max_request_bytes} "
                 "(max_request_bytes)"
             )
+        self._check_text_bytes("text_input", text_bytes)
+
+    def _check_text_bytes(self, what: str, text_bytes: int) -> None:
+        """Refuse a text too long for ``max_prompt_tokens`` at any tokenization, before tokenizing it."""
+        limit = self.limits.max_prompt_tokens
         fewest_tokens = -(-text_bytes // self.max_token_bytes)  # without spending time to tokenize it
-        if fewest_tokens > limits.max_prompt_tokens:
+        if fewest_tokens > limit:
             raise PreprocessError(
-                f"text_input: {text_bytes} bytes make at least {fewest_tokens} tokens, over the limit of "
-                f"{limits.max_prompt_tokens} (max_prompt_tokens)"
+                f"{what}: {text_bytes} bytes make at least {fewest_tokens} tokens, over the limit of "
+                f"{limit} (max_prompt_tokens)"
             )
+
+    def _conversation(self, messages: str | bytes, num_images: int, num_clips: int) -> _Conversation:
+        """``messages`` parsed and checked against the request's media (before any decoding)."""
+        conversation = parse_messages(messages, max_messages=self.limits.max_messages)
+        for parts, given, noun, clip_note in ((conversation.images, num_images, "image", ""),
+                                              (conversation.audios, num_clips, "audio clip", " (audio, then audio_pcm)")):
+            if parts != given:
+                kind = noun.split()[0]
+                raise PreprocessError(
+                    f"messages: {_plural(parts, kind + ' part')} but {_plural(given, noun)} given{clip_note}")
+        self._check_text_bytes("messages", sum(len(t.text.encode()) for t in conversation.texts))
+        return conversation
 
     # -- images --------------------------------------------------------------------------------
     def decode_image(self, index: int, data: bytes | str) -> Image:
@@ -681,9 +917,11 @@ class Preprocessor:
         return self._min_audio_samples
 
     def _process(
-        self, prompt: str, images: Sequence[Image], clips: Sequence[_Clip], *, raw_prompt: bool, seen_text: str | None
+        self, prompt: str, images: Sequence[Image], clips: Sequence[_Clip], *, raw_prompt: bool,
+        text_only: Callable[[], str] | None, what: str = "text_input",
     ) -> Mapping[str, Any]:
-        """The processor's output. ``seen_text``: the user text as the processor saw it (None: escaped)."""
+        """The processor's output. ``text_only``: the templated text as the processor saw it, without
+        the media (None: escaped, the processor never saw it); ``what``: the input holding the text."""
         try:
             return self._run_processor(prompt, images, [clip.samples for clip in clips])
         except _PROCESSOR_REJECTIONS as exc:
@@ -692,11 +930,11 @@ class Preprocessor:
         self._blame_item(images, clips)
         if raw_prompt:  # the caller wrote the prompt, placeholders included
             raise PreprocessError(f"text_input: the processor rejected the prompt and media: {failure}") from None
-        if seen_text is not None:
+        if text_only is not None:
             try:
-                self._run_processor(self.chat_prompt(seen_text, 0, 0), [], [])
+                self._run_processor(text_only(), [], [])
             except _PROCESSOR_REJECTIONS as exc:
-                raise PreprocessError(f"text_input: the processor rejects the text ({exc})") from None
+                raise PreprocessError(f"{what}: the processor rejects the text ({exc})") from None
         raise failure  # not the request's fault as far as can be told: an internal error
 
     def _check_placeholders(
@@ -718,37 +956,56 @@ class Preprocessor:
     # -- the whole step ------------------------------------------------------------------------
     def __call__(
         self,
-        text: str | bytes,
+        text: str | bytes = "",
         images: Sequence[bytes | str] = (),
         audios: Sequence[bytes | str] = (),
         pcm: Sequence[tuple[np.ndarray, int]] = (),
         *,
         apply_chat_template: bool = True,
+        messages: str | bytes | None = None,
     ) -> dict[str, np.ndarray]:
         """``input_ids`` and every feature tensor of the contract, as numpy arrays.
+
+        ``messages``: a conversation (UTF-8 JSON, see the module docstring) instead of ``text``.
 
         Raises:
             PreprocessError: the request is invalid or over a limit (the message names the input).
         """
-        self._check_request(text, images, audios, pcm)
-        text = decode_text(text)
+        conversation: _Conversation | None = None
+        if messages is not None:
+            if text is not None and (not isinstance(text, (str, *_BYTES_LIKE)) or len(text)):
+                raise PreprocessError("messages: text_input must be absent or empty when messages is given")
+            if not apply_chat_template:
+                raise PreprocessError("messages: apply_chat_template must not be false when messages is given "
+                                      "(the model's chat template renders the conversation)")
+            self._check_request("", images, audios, pcm, messages)
+            conversation = self._conversation(messages, len(images), len(audios) + len(pcm))
+        else:
+            self._check_request(text, images, audios, pcm)
+            text = decode_text(text)
         pil_images = [self.decode_image(i, data) for i, data in enumerate(images)]
         clips = self._decode_clips(audios, pcm)
 
-        user: _UserText | None = None
-        if apply_chat_template:
-            prompt, user = self._user_prompt(text, len(pil_images), len(clips))
+        what = "text_input" if conversation is None else "messages"
+        runs: list[_Run] | None = None
+        text_only: Callable[[], str] | None = None
+        if conversation is not None:
+            prompt, runs = self._templated(conversation)
+            text_only = lambda: self.render(_without_media(conversation.messages))
+        elif apply_chat_template:
+            prompt, runs = self._user_prompt(text, len(pil_images), len(clips))
+            text_only = lambda: self.chat_prompt(text, 0, 0)
         else:
             prompt = text
-        seen_text = text if user is None else None
-        processed = self._process(prompt, pil_images, clips, raw_prompt=not apply_chat_template, seen_text=seen_text)
+        processed = self._process(prompt, pil_images, clips, raw_prompt=not apply_chat_template,
+                                  text_only=text_only if runs is None else None, what=what)
 
         input_ids = np.asarray(processed["input_ids"][0], dtype=INPUT_IDS.dtype)
-        if user is not None:
-            input_ids = self._splice(input_ids, user)
+        if runs is not None:
+            input_ids = self._splice(input_ids, runs)
         if input_ids.size > self.limits.max_prompt_tokens:
             raise PreprocessError(
-                f"text_input: the prompt is {input_ids.size} tokens after expansion (template, text and media "
+                f"{what}: the prompt is {input_ids.size} tokens after expansion (template, text and media "
                 f"placeholders), over the limit of {self.limits.max_prompt_tokens} (max_prompt_tokens)"
             )
         self._check_placeholders(input_ids, pil_images, clips, raw_prompt=not apply_chat_template)

@@ -303,7 +303,7 @@ class TritonServer:
         return env
 
     # ------------------------------------------------------------------------------- start / stop
-    def start(self, timeout: float = 120.0) -> TritonServer:
+    def start(self, timeout: float = 600.0) -> TritonServer:
         """Launch the server and wait until /v2/health/ready answers 200.
 
         Raises TritonServerError (with the tail of the server log) if the process exits or ``timeout``

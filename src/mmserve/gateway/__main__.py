@@ -1,0 +1,50 @@
+"""The gateway's command line: ``python -m mmserve.gateway --triton-url HOST:PORT [--port 9000] ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from mmserve.gateway.app import DEFAULT_MODEL, GatewayConfig
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    defaults = GatewayConfig()
+    parser = argparse.ArgumentParser(prog="python -m mmserve.gateway",
+                                     description="OpenAI-compatible chat API in front of a Triton server (gRPC).")
+    parser.add_argument("--triton-url", default=defaults.triton_url, help="Triton's gRPC endpoint, host:port")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a container)")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--model-name", default=DEFAULT_MODEL,
+                        help="the Triton model requests go to (mm_pipeline: a client's cancellation reaches "
+                             "the engine; mm_ensemble: the same tensors, without that)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name clients pass as `model` and /v1/models lists (default: --model-name)")
+    parser.add_argument("--allow-remote-media", action="store_true",
+                        help="fetch http(s) image URLs (off: data: URLs only; the gateway would fetch any URL a "
+                             "client names)")
+    parser.add_argument("--media-max-bytes", type=int, default=defaults.media_max_bytes,
+                        help="largest image or audio item, decoded or fetched")
+    parser.add_argument("--media-timeout-s", type=float, default=defaults.media_timeout_s,
+                        help="time limit of one remote fetch")
+    parser.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
+                        help="largest request body (media travel in it as base64)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    args = parser.parse_args(argv)
+
+    import uvicorn
+
+    from mmserve.gateway.app import create_app
+
+    config = GatewayConfig(triton_url=args.triton_url, model=args.model_name,
+                           served_model_name=args.served_model_name, allow_remote_media=args.allow_remote_media,
+                           media_max_bytes=args.media_max_bytes, media_timeout_s=args.media_timeout_s,
+                           max_request_bytes=args.max_request_bytes)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""The FastAPI app: ``POST /v1/chat/completions`` (streamed as server-sent events, or not),
+``GET /v1/models``, ``GET /health``.
+
+A request: the JSON body read (bounded), validated (``protocol``), converted to Triton tensors
+(``convert``; media decoded from base64 or fetched), sent on its own gRPC stream (``triton``).
+The HTTP status is chosen once the model's first response (or error) is in: an error that Triton
+answers at once (a bad image, too many images, a bad sampling value, the engine down) is a proper
+400/503, not a broken stream. A client that goes away (streaming or not) cancels the Triton
+request, and through ``mm_pipeline`` the engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mmserve.gateway.convert import conversation, openai_logprobs, request_tensors
+from mmserve.gateway.errors import APIError, internal, invalid, logger, unavailable
+from mmserve.gateway.media import MediaFetcher
+from mmserve.gateway.protocol import ChatCompletionRequest, parse_request
+from mmserve.gateway.triton import Delta, TritonBackend
+
+DEFAULT_MODEL = "mm_pipeline"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    triton_url: str = "127.0.0.1:8001"
+    model: str = DEFAULT_MODEL
+    """The Triton model requests go to: ``mm_pipeline`` (cancellation reaches the engine) or
+    ``mm_ensemble`` (same tensors; a cancelled request still runs to its end on the engine)."""
+    served_model_name: str | None = None
+    """The ``model`` name clients use and ``/v1/models`` lists (default: ``model``)."""
+    allow_remote_media: bool = False
+    media_max_bytes: int = 20 * 1024 * 1024
+    media_timeout_s: float = 10.0
+    max_request_bytes: int = 128 * 1024 * 1024
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+def create_app(config: GatewayConfig, backend: Any = None) -> FastAPI:
+    """The app; ``backend`` (default: a ``TritonBackend`` on ``config.triton_url``) for tests."""
+    backend = backend if backend is not None else TritonBackend(config.triton_url, config.model)
+    fetcher = MediaFetcher(config.media_max_bytes, config.media_timeout_s) if config.allow_remote_media else None
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.close()
+            if fetcher is not None:
+                await fetcher.close()
+
+    app = FastAPI(title="mmserve OpenAI-compatible gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await backend.ready()
+        except APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse({"status": "ok", "model": config.model})
+
+    def model_card() -> dict[str, Any]:
+        return {"id": config.name, "object": "model", "created": created, "owned_by": "mmserve"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        if model not in (config.name, config.model):
+            return JSONResponse(_model_not_found(model, config).body(), status_code=404)
+        return JSONResponse(model_card())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        try:
+            return await _chat(request, config, backend, fetcher)
+        except APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except _ClientGone:
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 - never a traceback to the client
+            error = internal("chat completion", exc)
+            return JSONResponse(error.body(), status_code=error.status)
+
+    return app
+
+
+def _model_not_found(model: str, config: GatewayConfig) -> APIError:
+    return APIError(404, f"the model {model!r} does not exist; this server serves {config.name!r}",
+                    param="model", code="model_not_found")
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    size = int(request.headers.get("content-length") or 0)
+    too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    if size > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise invalid(f"the request body is not valid JSON ({exc})", code="invalid_json") from None
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """``await work``, unless the HTTP client disconnects first: then ``work`` is cancelled."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled (the server stops)
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise _ClientGone
+    return task.result()
+
+
+async def _chat(request: Request, config: GatewayConfig, backend: Any, fetcher: MediaFetcher | None) -> Response:
+    chat = parse_request(await _read_json(request, config.max_request_bytes))
+    if chat.model not in (config.name, config.model):
+        raise _model_not_found(chat.model, config)
+    conv = await conversation(chat, fetcher, config.media_max_bytes)
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    deltas = backend.generate(request_tensors(chat, conv), completion_id)
+    answer = _Answer(chat, completion_id, config.name)
+    try:
+        if not chat.stream:
+            async def collect() -> dict[str, Any]:
+                async for delta in deltas:
+                    answer.add(delta)
+                return answer.completion()
+
+            return JSONResponse(await _unless_disconnected(request, collect()))
+        first = await _unless_disconnected(request, _next(deltas))
+    except BaseException:
+        await deltas.aclose()
+        raise
+    if first is None:
+        await deltas.aclose()
+        raise internal("the model's stream ended without a response")
+    return EventStream(_events(answer, first, deltas), media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _next(deltas: AsyncIterator[Delta]) -> Delta | None:
+    async for delta in deltas:
+        return delta
+    return None
+
+
+class _Answer:
+    """One completion as it comes in: text, token counts, finish reason; OpenAI's objects of it."""
+
+    def __init__(self, chat: ChatCompletionRequest, completion_id: str, model: str) -> None:
+        self.chat, self.id, self.model = chat, completion_id, model
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.logprobs: list[dict[str, Any]] = []
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+
+    def add(self, delta: Delta) -> list[dict[str, Any]] | None:
+        """Take one response; its logprobs entries (OpenAI's) when asked for."""
+        if delta.num_input_tokens is not None:
+            self.prompt_tokens = delta.num_input_tokens
+        self.completion_tokens += delta.num_output_tokens
+        self.text.append(delta.text)
+        entries = None
+        if self.chat.logprobs:
+            entries = openai_logprobs(delta.logprobs or [], delta.token_ids, self.chat.top_logprobs or 0)
+            self.logprobs += entries
+        if delta.finish_reason:
+            if delta.finish_reason not in ("stop", "length"):  # abort: the server dropped the request
+                raise unavailable(f"the request ended early ({delta.finish_reason}); retry later")
+            self.finish_reason = delta.finish_reason
+        return entries
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def completion(self) -> dict[str, Any]:
+        if self.finish_reason is None:
+            raise internal("the model's responses ended without a finish reason")
+        return {
+            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+            "system_fingerprint": None,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(self.text), "refusal": None},
+                "logprobs": {"content": self.logprobs, "refusal": None} if self.chat.logprobs else None,
+                "finish_reason": self.finish_reason,
+            }],
+            "usage": self.usage(),
+        }
+
+    def chunk(self, delta: dict[str, Any], *, finish_reason: str | None = None,
+              logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "delta": delta,
+                         "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+                         "finish_reason": finish_reason}],
+        }
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.chat.stream_options and self.chat.stream_options.include_usage)
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def _events(answer: _Answer, first: Delta, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed completion; an error after the first event is sent as
+    an ``{"error": ...}`` event (the HTTP status is 200 by then), which the SDKs raise."""
+    try:
+        yield _sse(answer.chunk({"role": "assistant", "content": ""}))
+        delta: Delta | None = first
+        while delta is not None:
+            entries = answer.add(delta)
+            if delta.text or entries:
+                yield _sse(answer.chunk({"content": delta.text}, logprobs=entries))
+            if answer.finish_reason is not None:
+                yield _sse(answer.chunk({}, finish_reason=answer.finish_reason))
+                break
+            delta = await _next(deltas)
+        if answer.finish_reason is None:
+            raise internal("the model's stream ended without a finish reason")
+        if answer.include_usage:
+            yield _sse({"id": answer.id, "object": "chat.completion.chunk", "created": answer.created,
+                        "model": answer.model, "system_fingerprint": None, "choices": [], "usage": answer.usage()})
+        yield _sse("[DONE]")
+    except APIError as exc:
+        yield _sse(exc.body())
+    except Exception as exc:  # noqa: BLE001
+        logger.debug("stream failed", exc_info=True)
+        yield _sse(internal("streaming a completion", exc).body())
+    finally:
+        await deltas.aclose()  # cancels the Triton request if it still runs
+
+
+class EventStream(StreamingResponse):
+    """A streamed response that stops as soon as the client disconnects (whatever the ASGI server's
+    spec version), and always closes its body iterator, so that the Triton request is cancelled
+    then and not when the generator is garbage-collected."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # the connection broke while sending
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    await self.listen_for_disconnect(receive)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                group.start_soon(watch)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,213 @@
+"""OpenAI chat request -> the Triton request tensors of ``mm_pipeline``/``mm_ensemble``, and mm_llm's
+``logprobs`` output -> OpenAI's.
+
+The conversation travels whole in the ``messages`` tensor (UTF-8 JSON, ``preprocess`` applies the
+model's chat template): ``[{"role", "content": str | [{"type": "text", "text"} | {"type": "image"} |
+{"type": "audio"}]}]``; its media parts refer, in order of appearance, to the ``image`` items
+(encoded image files) and the ``audio`` items (encoded audio files), which the gateway decodes from
+the request's base64 (or fetches, for remote URLs when allowed). The media bytes are not decoded
+here: ``preprocess`` checks and decodes them (and answers ``[INVALID_ARG]`` for a bad file).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import urllib.parse
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mmserve.gateway.errors import APIError, invalid
+from mmserve.gateway.protocol import (
+    AudioPart,
+    ChatCompletionRequest,
+    ImagePart,
+    SystemMessage,
+    TextPart,
+)
+
+MAX_TOKENS_UNSET = 2**31 - 1
+"""``max_tokens`` sent when the client gives none: OpenAI's "up to the context length" (the engine
+stops a request at its ``max_model_len``; mm_llm's own default would be vLLM's 16)."""
+
+Fetch = Callable[[str, str], Awaitable[bytes]]
+"""``fetch(url, param)``: the bytes of a remote (http/https) image, or an ``APIError``."""
+
+
+@dataclass
+class Conversation:
+    """What the request's messages become: the ``messages`` JSON and the media, in order."""
+
+    messages: list[dict[str, Any]]
+    images: list[bytes] = field(default_factory=list)
+    audios: list[bytes] = field(default_factory=list)
+
+
+def b64decode(data: str, param: str, what: str) -> bytes:
+    """Strict base64 (whitespace allowed) -> bytes; ``APIError`` when malformed or empty."""
+    try:
+        raw = base64.b64decode("".join(data.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise invalid(f"{param}: {what} is not valid base64", param=param) from None
+    if not raw:
+        raise invalid(f"{param}: {what} is empty", param=param)
+    return raw
+
+
+def data_url_bytes(url: str, param: str) -> bytes:
+    """The payload of a ``data:[<mime>][;base64],<data>`` URL."""
+    header, comma, payload = url[len("data:"):].partition(",")
+    if not comma:
+        raise invalid(f"{param}: malformed data URL (no ',' before the data)", param=param)
+    if header.lower().endswith(";base64"):
+        return b64decode(payload, param, "the data URL's payload")
+    raw = urllib.parse.unquote_to_bytes(payload)
+    if not raw:
+        raise invalid(f"{param}: the data URL's payload is empty", param=param)
+    return raw
+
+
+def image_source(url: str, param: str, remote: bool) -> bytes | str:
+    """An ``image_url.url``: the bytes of a data URL, or the http(s) URL to fetch (when ``remote``)."""
+    if url[:5].lower() == "data:":
+        return data_url_bytes(url, param)
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme in ("http", "https"):
+        if not remote:
+            raise invalid(f"{param}: remote image URLs are disabled on this server (its operator may enable "
+                          "them: --allow-remote-media); send the image as a data: URL", param=param,
+                          code="remote_media_disabled")
+        return url
+    raise invalid(f"{param}: expected a data: URL (or http(s) when enabled), found scheme {scheme or 'none'!r}",
+                  param=param)
+
+
+def audio_bytes(data: str, param: str) -> bytes:
+    """``input_audio.data``: base64 (a data URL is accepted too)."""
+    if data[:5].lower() == "data:":
+        return data_url_bytes(data, param)
+    return b64decode(data, param, "the audio data")
+
+
+async def conversation(request: ChatCompletionRequest, fetch: Fetch | None = None,
+                       max_bytes: int | None = None) -> Conversation:
+    """The request's messages in ``preprocess``'s form, with the media bytes in order of appearance.
+    ``fetch``: how to get a remote image (``None``: remote URLs are refused); ``max_bytes``: the
+    largest media item (decoded) taken."""
+
+    def bounded(data: bytes, param: str) -> bytes:
+        if max_bytes is not None and len(data) > max_bytes:
+            raise invalid(f"{param}: {len(data)} bytes, more than the limit of {max_bytes} (--media-max-bytes)",
+                          param=param, code="media_too_large")
+        return data
+
+    out = Conversation(messages=[])
+    remote: list[tuple[int, str, str]] = []  # (image index, URL, param)
+    for i, message in enumerate(request.messages):
+        role = "system" if isinstance(message, SystemMessage) else message.role
+        if isinstance(message.content, str):
+            out.messages.append({"role": role, "content": message.content})
+            continue
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(message.content):
+            where = f"messages[{i}].content[{j}]"
+            if isinstance(part, TextPart):
+                parts.append({"type": "text", "text": part.text})
+            elif isinstance(part, ImagePart):
+                parts.append({"type": "image"})
+                param = f"{where}.image_url.url"
+                source = image_source(part.image_url.url, param, remote=fetch is not None)
+                if isinstance(source, str):
+                    remote.append((len(out.images), source, param))
+                    source = b""
+                out.images.append(bounded(source, param))
+            elif isinstance(part, AudioPart):
+                parts.append({"type": "audio"})
+                param = f"{where}.input_audio.data"
+                out.audios.append(bounded(audio_bytes(part.input_audio.data, param), param))
+        if not parts:
+            raise invalid(f"messages[{i}].content: empty list", param=f"messages[{i}].content")
+        out.messages.append({"role": role, "content": parts})
+    if remote:
+        assert fetch is not None
+        fetched = await asyncio.gather(*(fetch(url, param) for _, url, param in remote))
+        for (index, _, _), data in zip(remote, fetched, strict=True):
+            out.images[index] = data
+    return out
+
+
+def sampling_parameters(request: ChatCompletionRequest) -> dict[str, Any]:
+    """mm_llm's ``sampling_parameters`` (vLLM ``SamplingParams`` names) of the request."""
+    params: dict[str, Any] = {}
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    params["max_tokens"] = MAX_TOKENS_UNSET if max_tokens is None else max_tokens
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "seed", "stop", "logit_bias", "min_tokens", "ignore_eos"):
+        value = getattr(request, name)
+        if value is not None:
+            params[name] = value
+    if request.logprobs:
+        params["logprobs"] = request.top_logprobs or 0  # 0: the sampled token's only
+    return params
+
+
+def request_tensors(request: ChatCompletionRequest, conv: Conversation) -> dict[str, np.ndarray]:
+    """The named tensors of the Triton request (``mmserve.wire`` names)."""
+    def flag(value: bool) -> np.ndarray:
+        return np.array([value], dtype=bool)
+
+    tensors = {
+        "messages": np.array([json.dumps(conv.messages, ensure_ascii=False).encode()], dtype=np.object_),
+        "stream": flag(bool(request.stream)),
+        "sampling_parameters": np.array([json.dumps(sampling_parameters(request)).encode()], dtype=np.object_),
+        "exclude_input_in_output": flag(True),
+        "return_finish_reason": flag(True),
+        "return_num_input_tokens": flag(True),
+        "return_num_output_tokens": flag(True),
+    }
+    if request.logprobs:
+        tensors["return_logprobs"] = flag(True)
+    if conv.images:
+        tensors["image"] = _bytes_array(conv.images)
+    if conv.audios:
+        tensors["audio"] = _bytes_array(conv.audios)
+    return tensors
+
+
+def _bytes_array(items: Sequence[bytes]) -> np.ndarray:
+    array = np.empty(len(items), dtype=np.object_)
+    array[:] = list(items)
+    return array
+
+
+def openai_logprobs(steps: list[dict[str, dict[str, Any]]], token_ids: Sequence[int],
+                    top_logprobs: int) -> list[dict[str, Any]]:
+    """mm_llm's ``logprobs`` (per generated token ``{token_id: {logprob, rank, decoded_token}}``: the
+    sampled token and the top ``top_logprobs``) -> OpenAI's ``logprobs.content`` entries.
+
+    Faithful but for one detail: ``bytes`` are the UTF-8 of vLLM's decoded token text, so a token
+    holding part of a multi-byte character shows U+FFFD's bytes where OpenAI gives the raw ones.
+    """
+    if len(steps) != len(token_ids):
+        raise APIError(500, "logprobs and output ids disagree", type="server_error", code="internal_error")
+
+    def entry(token_id: str, info: dict[str, Any]) -> dict[str, Any]:
+        token = info.get("decoded_token") or ""
+        logprob = info.get("logprob")
+        logprob = -9999.0 if logprob is None or logprob == float("-inf") else float(logprob)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "replace"))}
+
+    content = []
+    for step, sampled in zip(steps, token_ids, strict=True):
+        info = step.get(str(sampled))
+        if info is None:
+            raise APIError(500, "the sampled token's logprob is missing", type="server_error", code="internal_error")
+        top = sorted(((k, v) for k, v in step.items() if v.get("rank") is not None and v["rank"] <= top_logprobs),
+                     key=lambda kv: kv[1]["rank"])[:top_logprobs]
+        content.append({**entry(str(sampled), info), "top_logprobs": [entry(k, v) for k, v in top]})
+    return content

@@ -1,0 +1,216 @@
+"""The request of ``POST /v1/chat/completions`` as pydantic models, and how a bad one is told.
+
+What is accepted is what the gateway can serve faithfully; everything else is refused with a 400
+that names the field, never silently dropped:
+
+* messages: ``system`` (and ``developer``, its newer name), ``user``, ``assistant`` turns, any
+  number, content a string or a list of parts. User parts: ``text``, ``image_url`` (``data:`` URLs;
+  ``http(s)`` when the gateway allows remote media; ``detail`` accepted and ignored: the model's
+  processor picks the resolution), ``input_audio`` (``{"data": base64, "format": "wav"|"mp3"|"flac"|
+  "ogg"}``), in any order. System and assistant parts: ``text``. A message's ``name`` is accepted
+  and ignored (the chat templates have no place for it).
+* sampling: ``max_tokens``/``max_completion_tokens`` (absent: up to the model's context length),
+  ``temperature``, ``top_p``, ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``,
+  ``logit_bias``, ``n`` (1 only), ``logprobs``/``top_logprobs``; vLLM's extensions ``top_k``,
+  ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``. Ranges are the engine's
+  (``mmserve.serving.sampling``), checked there and answered 400.
+* ``stream``, ``stream_options`` (``include_usage``; ``include_obfuscation`` ignored).
+* ignored (no effect on the output): ``user``, ``metadata``, ``safety_identifier``,
+  ``prompt_cache_key``, ``service_tier`` (``IGNORED``), ``parallel_tool_calls``, and the fields of
+  ``UNSUPPORTED`` at their defaults (``tool_choice: "none"``, ``response_format: {"type": "text"}``,
+  ``modalities: ["text"]``, ``store: false``, ...).
+* refused: tools and functions, structured output, audio output, predicted outputs, web search,
+  reasoning effort, stored completions (``UNSUPPORTED``), any other field (``unknown_field``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mmserve.gateway.errors import APIError, invalid
+
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- content parts ---------------------------------------------------------------------------------
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class InputAudio(_Strict):
+    data: str
+    format: Literal["wav", "mp3", "flac", "ogg"]
+
+
+class AudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+UserPart = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
+
+
+# -- messages -------------------------------------------------------------------------------------
+class SystemMessage(_Strict):
+    role: Literal["system", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class UserMessage(_Strict):
+    role: Literal["user"]
+    content: str | list[UserPart]
+    name: str | None = None
+
+
+class AssistantMessage(_Strict):
+    role: Literal["assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+Message = Annotated[SystemMessage | UserMessage | AssistantMessage, Field(discriminator="role")]
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # ignored: no obfuscation padding here
+
+
+class ChatCompletionRequest(_Strict):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
+    n: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    # vLLM's extensions of the OpenAI API
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    # accepted, no effect
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+
+
+IGNORED = ("user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier")
+
+
+def _default(*values: Any):
+    return lambda value: value is None or value in values
+
+
+UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "tools": (_default([]), "tool calling is not supported by this server"),
+    "tool_choice": (_default("none"), "tool calling is not supported by this server"),
+    "parallel_tool_calls": (lambda value: True, ""),  # meaningless without tools: ignored
+    "functions": (_default([]), "function calling is not supported by this server"),
+    "function_call": (_default("none"), "function calling is not supported by this server"),
+    "response_format": (_default({"type": "text"}),
+                        'structured output (response_format) is not supported by this server; only {"type": "text"}'),
+    "modalities": (_default(["text"]), "this model answers in text only (modalities: [\"text\"])"),
+    "audio": (_default(), "audio output is not supported: this model answers in text"),
+    "prediction": (_default(), "predicted outputs are not supported by this server"),
+    "web_search_options": (_default(), "web search is not supported by this server"),
+    "reasoning_effort": (_default(), "reasoning_effort is not supported by this model"),
+    "verbosity": (_default(), "verbosity is not supported by this model"),
+    "store": (_default(False), "stored completions are not supported by this server"),
+}
+"""OpenAI fields the gateway knows but can't honour: (value that is harmless, why it is refused)."""
+
+
+def parse_request(body: Any) -> ChatCompletionRequest:
+    """The validated request, or an ``APIError`` (400) naming the field."""
+    if not isinstance(body, dict):
+        raise invalid(f"the request body must be a JSON object, found {type(body).__name__}", code="invalid_json")
+    body = dict(body)
+    for name, (harmless, why) in UNSUPPORTED.items():
+        if name in body:
+            value = body.pop(name)
+            if not harmless(value):
+                raise invalid(why, param=name, code="unsupported")
+    try:
+        request = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc, body) from None
+    if request.n not in (None, 1):
+        raise invalid(f"n: only 1 choice per request is served, found {request.n}", param="n", code="unsupported")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
+    if (request.max_tokens is not None and request.max_completion_tokens is not None
+            and request.max_tokens != request.max_completion_tokens):
+        raise invalid("max_tokens and max_completion_tokens differ; give one", param="max_completion_tokens")
+    if request.stream_options is not None and not request.stream:
+        raise invalid("stream_options is only allowed with stream: true", param="stream_options")
+    return request
+
+
+def _param(loc: tuple[Any, ...], data: Any) -> str:
+    """pydantic's ``loc`` as the client wrote it, e.g. ``("messages", 0, "user", "content",
+    "list[...]", 1, "image_url", "image_url", "url")`` -> ``messages[0].content[1].image_url.url``.
+    Walks the request: a union's tag (the item's ``type`` or ``role`` after its index) and a name
+    that is not a key of the object there (a union's branch) are left out, but for the last one (a
+    missing field)."""
+    out = ""
+    for n, item in enumerate(loc):
+        if n and isinstance(loc[n - 1], int) and isinstance(data, dict) and item in (data.get("type"),
+                                                                                 data.get("role")):
+            continue  # the tag of a tagged union, after the index of the item
+        if isinstance(item, int):
+            out += f"[{item}]"
+            data = data[item] if isinstance(data, list) and -len(data) <= item < len(data) else None
+        elif (isinstance(data, dict) and item in data) or (n == len(loc) - 1 and "[" not in item):
+            out += f".{item}" if out else item
+            data = data.get(item) if isinstance(data, dict) else None
+    return out
+
+
+def validation_error(exc: ValidationError, data: Any) -> APIError:
+    """The most specific of pydantic's errors (the deepest: a union reports each branch)."""
+    errors = exc.errors(include_url=False)
+    error = max(errors, key=lambda e: (len(e["loc"]), e["type"] != "string_type"))
+    param = _param(tuple(error["loc"]), data)
+    if error["type"] == "extra_forbidden":
+        return invalid(f"{param}: unknown field", param=param, code="unknown_field")
+    if error["type"] == "missing":
+        return invalid(f"{param}: required", param=param, code="missing_field")
+    message = error["msg"]
+    if error["type"] == "union_tag_invalid":
+        message = (f"unsupported {error['ctx']['discriminator'].strip(chr(39))} {error['ctx']['tag']!r}; "
+                   f"expected one of {error['ctx']['expected_tags']}")
+    elif error["type"] in ("list_type", "string_type") and param.endswith(".content"):
+        message = "expected a string or a list of content parts"
+    return invalid(f"{param}: {message}" if param else message, param=param or None)
+

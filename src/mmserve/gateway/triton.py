@@ -1,0 +1,144 @@
+"""The gateway's Triton side: ``tritonclient``'s asyncio gRPC client, one bidirectional stream per
+request, to ``mm_pipeline`` (default: it carries a cancellation to the engine) or any model with its
+tensors.
+
+A request is sent on its own stream, which is then half-closed: Triton ends the stream after the
+request's last response. Leaving the response iteration early (the HTTP client went away, the
+task was cancelled) cancels the gRPC call, which Triton reports to the model as the request's
+cancellation; ``mm_pipeline`` aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mmserve.client import grpc_inputs
+from mmserve.gateway.errors import (
+    APIError,
+    from_grpc,
+    from_triton,
+    internal,
+    unavailable,
+)
+
+HEALTH_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Delta:
+    """One response of the model: a delta when streaming, the whole output otherwise."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_input_tokens: int | None
+    num_output_tokens: int
+    logprobs: list[dict[str, Any]] | None
+
+
+def _first(result: Any, name: str) -> Any:
+    value = result.as_numpy(name)
+    if value is None or value.size == 0:
+        return None
+    item = value.reshape(-1)[0]
+    return item.decode("utf-8") if isinstance(item, bytes) else item.item()
+
+
+def delta_from(result: Any) -> Delta:
+    """A ``Delta`` from a tritonclient ``InferResult`` (anything with ``as_numpy(name)``)."""
+    ids = result.as_numpy("output_ids")
+    logprobs = _first(result, "logprobs")
+    output_tokens = _first(result, "num_output_tokens")
+    return Delta(
+        text=_first(result, "text_output") or "",
+        token_ids=[] if ids is None else [int(i) for i in np.asarray(ids).reshape(-1)],
+        finish_reason=_first(result, "finish_reason") or None,
+        num_input_tokens=_first(result, "num_input_tokens"),
+        num_output_tokens=int(output_tokens or 0),
+        logprobs=None if logprobs is None else json.loads(logprobs),
+    )
+
+
+def _grpc_error(exc: BaseException) -> APIError:
+    """An ``APIError`` from a grpc ``RpcError`` or tritonclient's ``InferenceServerException``."""
+    code = getattr(exc, "code", None)
+    if callable(code):  # grpc.aio.AioRpcError
+        status = getattr(code(), "name", str(code()))
+        details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+        return from_grpc(status, details or "")
+    status = exc.status() if callable(getattr(exc, "status", None)) else None  # InferenceServerException
+    message = exc.message() if callable(getattr(exc, "message", None)) else str(exc)
+    if status:
+        return from_grpc(str(status).removeprefix("StatusCode."), message or "")
+    return from_triton(message or "")
+
+
+class TritonBackend:
+    """One asyncio gRPC channel to Triton (``url``: ``host:port``), requests to ``model``.
+
+    ``start()`` and ``close()`` run on the event loop that serves the requests (grpc.aio's channel
+    belongs to it).
+    """
+
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model = url, model
+        self._client: Any = None
+
+    async def start(self) -> None:
+        import tritonclient.grpc.aio as grpcclient
+
+        self._client = grpcclient.InferenceServerClient(self.url)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
+
+    async def ready(self) -> None:
+        """Return if Triton serves ``model`` now, else raise ``APIError`` (503)."""
+        try:
+            ready = await self._client.is_model_ready(self.model, client_timeout=HEALTH_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - any failure to ask means: not available
+            raise _grpc_error(exc) if _is_grpc(exc) else unavailable(f"Triton is unavailable ({exc})") from None
+        if not ready:
+            raise unavailable(f"the model {self.model!r} is not ready on Triton")
+
+    async def generate(self, tensors: Mapping[str, np.ndarray], request_id: str) -> AsyncIterator[Delta]:
+        """The model's responses to one request; an error response raises ``APIError``. Closing the
+        iterator before its end cancels the request on Triton."""
+        request = {"model_name": self.model, "inputs": grpc_inputs(tensors), "request_id": request_id}
+
+        async def one_request() -> AsyncIterator[dict[str, Any]]:
+            yield request
+
+        call = self._client.stream_infer(one_request())
+        try:
+            async for result, error in call:
+                if error is not None:
+                    raise from_triton(_message(error))
+                yield delta_from(result)
+        except APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - classified below
+            if _is_grpc(exc):
+                raise _grpc_error(exc) from None
+            raise internal("reading Triton's responses", exc) from None
+        finally:
+            call.cancel()  # no-op once the stream ended; else Triton cancels the request
+
+
+def _is_grpc(exc: BaseException) -> bool:
+    import grpc
+    from tritonclient.utils import InferenceServerException
+
+    return isinstance(exc, grpc.RpcError | InferenceServerException)
+
+
+def _message(error: Any) -> str:
+    message = getattr(error, "message", None)
+    return message() if callable(message) else str(error)

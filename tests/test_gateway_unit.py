@@ -1,0 +1,366 @@
+"""The OpenAI gateway without a server: request validation, the conversion to Triton tensors, the
+logprobs mapping, the error mapping, and the app's HTTP answers with a fake Triton backend (the
+official ``openai`` SDK as the client). The live tests: test_openai.py."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mmserve import wire
+from mmserve.gateway import convert, errors, protocol
+from mmserve.gateway.app import GatewayConfig, create_app
+from mmserve.gateway.triton import Delta, delta_from
+
+PNG = b"\x89PNG\r\n\x1a\n fake image"
+WAV = b"RIFF\x00\x00\x00\x00WAVEfmt fake audio"
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def image(data: bytes = PNG) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(data)}"}}
+
+
+def audio(data: bytes = WAV, fmt: str = "wav") -> dict[str, Any]:
+    return {"type": "input_audio", "input_audio": {"data": b64(data), "format": fmt}}
+
+
+def body(*messages: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {"model": "mm_pipeline", "messages": list(messages), **fields}
+
+
+def user(*parts: Any) -> dict[str, Any]:
+    return {"role": "user", "content": parts[0] if len(parts) == 1 and isinstance(parts[0], str) else list(parts)}
+
+
+def convert_body(data: dict[str, Any], **kwargs: Any) -> convert.Conversation:
+    return asyncio.run(convert.conversation(protocol.parse_request(data), **kwargs))
+
+
+def rejected(data: Any, **kwargs: Any) -> errors.APIError:
+    with pytest.raises(errors.APIError) as info:
+        convert_body(data, **kwargs)
+    assert info.value.status == 400
+    return info.value
+
+
+# -- conversion ----------------------------------------------------------------------------------
+def test_a_conversation_becomes_messages_and_media_in_order():
+    conv = convert_body(body(
+        {"role": "developer", "content": "Be brief."},
+        user({"type": "text", "text": "First"}, image(b"img0"), audio(b"aud0")),
+        {"role": "assistant", "content": [{"type": "text", "text": "A picture."}]},
+        user(audio(b"aud1", "flac"), {"type": "text", "text": "and"}, image(b"img1"), image(b"img2")),
+    ))
+    assert conv.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "First"}, {"type": "image"}, {"type": "audio"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A picture."}]},
+        {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "and"}, {"type": "image"},
+                                     {"type": "image"}]},
+    ]
+    assert conv.images == [b"img0", b"img1", b"img2"] and conv.audios == [b"aud0", b"aud1"]
+
+
+def test_tensors_use_the_messages_input_and_wire_names():
+    chat = protocol.parse_request(body(user(image(), {"type": "text", "text": "Hi"}), max_tokens=5,
+                                       temperature=0, top_k=1, seed=3, stop="x", stream=True,
+                                       stream_options={"include_usage": True}, logprobs=True, top_logprobs=2))
+    tensors = convert.request_tensors(chat, asyncio.run(convert.conversation(chat)))
+    assert set(tensors) <= set(wire.names(wire.PUBLIC_INPUTS)) | {"messages"}
+    assert "text_input" not in tensors and tensors["image"].dtype == object and tensors["image"][0] == PNG
+    assert json.loads(tensors["messages"][0]) == [{"role": "user", "content": [{"type": "image"},
+                                                                                {"type": "text", "text": "Hi"}]}]
+    assert json.loads(tensors["sampling_parameters"][0]) == {"max_tokens": 5, "temperature": 0.0, "top_k": 1,
+                                                             "seed": 3, "stop": "x", "logprobs": 2}
+    assert tensors["stream"][0] and tensors["return_logprobs"][0] and tensors["exclude_input_in_output"][0]
+
+
+def test_messages_is_a_public_input_of_the_tree():
+    """The gateway sends ``messages`` (preprocess's conversation input); the tree must declare it."""
+    assert "messages" in wire.names(wire.PREPROCESS_INPUTS)
+
+
+def test_sampling_defaults_and_aliases():
+    params = convert.sampling_parameters(protocol.parse_request(body(user("Hi"))))
+    assert params == {"max_tokens": convert.MAX_TOKENS_UNSET}  # OpenAI: up to the context length
+    params = convert.sampling_parameters(protocol.parse_request(body(user("Hi"), max_completion_tokens=7,
+                                                                     logprobs=True)))
+    assert params == {"max_tokens": 7, "logprobs": 0}
+
+
+def test_media_sources():
+    assert convert.data_url_bytes("data:image/png;base64," + b64(PNG), "p") == PNG
+    assert convert.data_url_bytes("data:,a%20b", "p") == b"a b"
+    assert convert_body(body(user(audio()))).audios == [WAV]
+    data_url_audio = {"type": "input_audio", "input_audio": {"data": "data:audio/wav;base64," + b64(WAV),
+                                                             "format": "wav"}}
+    assert convert_body(body(user(data_url_audio))).audios == [WAV]
+
+    async def fetch(url: str, param: str) -> bytes:
+        return url.encode()
+
+    remote = {"type": "image_url", "image_url": {"url": "https://example.com/a.png", "detail": "low"}}
+    assert convert_body(body(user(image(b"x"), remote)), fetch=fetch).images == [b"x", b"https://example.com/a.png"]
+
+
+@pytest.mark.parametrize(("data", "param", "code"), [
+    (body(user({"type": "image_url", "image_url": {"url": "data:image/png;base64,!!notbase64"}})),
+     "messages[0].content[0].image_url.url", "invalid_value"),
+    (body(user({"type": "input_audio", "input_audio": {"data": "abc", "format": "wav"}})),
+     "messages[0].content[0].input_audio.data", "invalid_value"),
+    (body(user({"type": "image_url", "image_url": {"url": "http://example.com/a.png"}})),
+     "messages[0].content[0].image_url.url", "remote_media_disabled"),
+    (body(user({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}})),
+     "messages[0].content[0].image_url.url", "invalid_value"),
+    (body(user({"type": "image_url", "image_url": {"url": "data:image/png;base64"}})),
+     "messages[0].content[0].image_url.url", "invalid_value"),
+])
+def test_bad_media_is_refused_naming_the_part(data, param, code):
+    error = rejected(data)
+    assert (error.param, error.code) == (param, code)
+    assert error.message.startswith(param)
+
+
+def test_media_size_limit():
+    error = rejected(body(user(image(b"x" * 100))), max_bytes=99)
+    assert error.code == "media_too_large" and error.param == "messages[0].content[0].image_url.url"
+
+
+@pytest.mark.parametrize(("data", "param", "code", "says"), [
+    (body(user("Hi"), n=2), "n", "unsupported", "only 1"),
+    (body(user("Hi"), tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "unsupported", "tool"),
+    (body(user("Hi"), response_format={"type": "json_object"}), "response_format", "unsupported", "structured"),
+    (body(user("Hi"), frobnicate=1), "frobnicate", "unknown_field", "unknown field"),
+    (body(user({"type": "video_url", "video_url": {"url": "x"}})), "messages[0].content[0]", None, "video_url"),
+    (body(user({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "aac"}})),
+     "messages[0].content[0].input_audio.format", None, "'wav'"),
+    (body({"role": "tool", "content": "x", "tool_call_id": "1"}), "messages[0]", None, "tool"),
+    (body({"role": "system", "content": [image()]}), "messages[0].content[0].type", None, "text"),
+    (body(user("Hi"), top_logprobs=2), "top_logprobs", "invalid_value", "logprobs"),
+    (body(user("Hi"), max_tokens=3, max_completion_tokens=4), "max_completion_tokens", "invalid_value", "differ"),
+    (body(user("Hi"), stream_options={"include_usage": True}), "stream_options", "invalid_value", "stream"),
+    ({"model": "m", "messages": []}, "messages", None, "at least 1"),
+    ({"messages": [user("Hi")]}, "model", "missing_field", "required"),
+    (body(user({"type": "text", "text": "a", "extra": 1})), "messages[0].content[0].extra", "unknown_field", "unknown"),
+    ([1, 2], None, "invalid_json", "JSON object"),
+])
+def test_bad_requests_are_refused_clearly(data, param, code, says):
+    with pytest.raises(errors.APIError) as info:
+        protocol.parse_request(data)
+    error = info.value
+    assert error.status == 400 and error.param == param, error.body()
+    assert code is None or error.code == code
+    assert says in error.message, error.message
+
+
+def test_harmless_fields_are_accepted():
+    protocol.parse_request(body(user("Hi"), user="u1", metadata={"k": "v"}, store=False, tool_choice="none",
+                                response_format={"type": "text"}, modalities=["text"], parallel_tool_calls=True,
+                                stream=True, stream_options={"include_usage": True, "include_obfuscation": False}))
+
+
+# -- logprobs ------------------------------------------------------------------------------------
+def test_logprobs_map_to_openai_entries():
+    steps = [{"5": {"logprob": -0.1, "rank": 1, "decoded_token": "Hi"},
+              "7": {"logprob": -2.5, "rank": 2, "decoded_token": " there"},
+              "9": {"logprob": -3.0, "rank": 3, "decoded_token": "!"}},
+             {"7": {"logprob": -1.5, "rank": 4, "decoded_token": "é"},  # sampled, outside the top 2
+              "1": {"logprob": -0.2, "rank": 1, "decoded_token": "a"},
+              "2": {"logprob": -0.9, "rank": 2, "decoded_token": "b"}}]
+    content = convert.openai_logprobs(steps, [5, 7], top_logprobs=2)
+    assert content[0] == {"token": "Hi", "logprob": -0.1, "bytes": [72, 105], "top_logprobs": [
+        {"token": "Hi", "logprob": -0.1, "bytes": [72, 105]},
+        {"token": " there", "logprob": -2.5, "bytes": list(b" there")}]}
+    assert content[1]["token"] == "é" and content[1]["bytes"] == [0xC3, 0xA9]
+    assert [t["token"] for t in content[1]["top_logprobs"]] == ["a", "b"]
+    assert convert.openai_logprobs([{"5": {"logprob": -0.1, "rank": 1, "decoded_token": "x"}}], [5], 0)[0][
+        "top_logprobs"] == []
+
+
+# -- error mapping -------------------------------------------------------------------------------
+@pytest.mark.parametrize(("message", "status", "type_"), [
+    ("[INVALID_ARG] image[0]: not an image", 400, "invalid_request_error"),
+    ("in ensemble 'mm_ensemble', [INVALID_ARG] messages: 2 image parts but 1 image given", 400,
+     "invalid_request_error"),
+    ("[UNAVAILABLE] the engine failed; retry", 503, "service_unavailable"),
+    ("Request for unknown model: 'mm_llm' is not found", 503, "service_unavailable"),
+    ("[INTERNAL] internal error (incident abc); the server log has the detail", 500, "server_error"),
+    ("something odd at /opt/tritonserver/x.py", 500, "server_error"),
+])
+def test_triton_errors_map_to_http_statuses(message, status, type_):
+    error = errors.from_triton(message)
+    assert (error.status, error.type) == (status, type_)
+    assert "[INVALID_ARG]" not in error.message and "/opt/" not in error.message
+    if status == 400:
+        assert error.message.endswith(message.split("] ", 1)[1])
+
+
+def test_grpc_failures_map_to_503_without_internals():
+    error = errors.from_grpc("UNAVAILABLE", "failed to connect to all addresses; ipv4:127.0.0.1:1: Connection refused")
+    assert error.status == 503 and "127.0.0.1" not in error.message
+    assert errors.from_grpc("DEADLINE_EXCEEDED", "").status == 503
+    assert errors.from_grpc("INTERNAL", "Request for unknown model: 'x' has no available versions").status == 503
+    assert errors.from_grpc("INVALID_ARGUMENT", "unexpected shape for input 'x'").status == 500
+
+
+def test_delta_from_an_infer_result():
+    outputs = {"text_output": np.array([b"Hi"], dtype=object), "output_ids": np.array([1, 2], dtype=np.int64),
+               "finish_reason": np.array([b""], dtype=object), "num_input_tokens": np.array([9], dtype=np.uint32),
+               "num_output_tokens": np.array([2], dtype=np.uint32),
+               "logprobs": np.array([b'[{"1": {"logprob": -1.0, "rank": 1, "decoded_token": "H"}}]'], dtype=object)}
+
+    class Result:
+        def as_numpy(self, name):
+            return outputs.get(name)
+
+    delta = delta_from(Result())
+    assert delta == Delta("Hi", [1, 2], None, 9, 2, [{"1": {"logprob": -1.0, "rank": 1, "decoded_token": "H"}}])
+
+
+# -- the app with a fake Triton ------------------------------------------------------------------
+class FakeBackend:
+    """Answers every request with ``deltas`` (or raises ``error`` at once); records what it got."""
+
+    def __init__(self, deltas: list[Delta] | None = None, error: errors.APIError | None = None,
+                 ready: errors.APIError | None = None) -> None:
+        self.deltas, self.error, self.ready_error = deltas or [], error, ready
+        self.requests: list[dict[str, np.ndarray]] = []
+        self.closed = 0
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def ready(self) -> None:
+        if self.ready_error:
+            raise self.ready_error
+
+    async def generate(self, tensors, request_id):
+        self.requests.append(dict(tensors))
+        try:
+            if self.error:
+                raise self.error
+            for delta in self.deltas:
+                yield delta
+        finally:
+            self.closed += 1
+
+
+STREAM = [Delta("Hel", [1], None, 20, 1, None), Delta("lo", [2], None, 20, 1, None),
+          Delta("!", [3], "length", 20, 1, None)]
+
+
+@pytest.fixture
+def gateway():
+    from fastapi.testclient import TestClient
+
+    def make(backend: FakeBackend, **config: Any):
+        client = TestClient(create_app(GatewayConfig(**config), backend=backend))
+        client.__enter__()
+        made.append(client)
+        return client
+
+    made: list[Any] = []
+    yield make
+    for client in made:
+        client.__exit__(None, None, None)
+
+
+def sdk(client):
+    import openai
+
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
+
+
+def test_sdk_non_streamed_and_streamed(gateway):
+    backend = FakeBackend([Delta("Hello!", [1, 2, 3], "length", 20, 3, None)])
+    client = sdk(gateway(backend))
+    reply = client.chat.completions.create(model="mm_pipeline", messages=[user("Hi")], max_tokens=3)
+    assert reply.choices[0].message.content == "Hello!" and reply.choices[0].finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (20, 3, 23)
+    assert not backend.requests[0]["stream"][0]
+
+    backend.deltas = STREAM
+    chunks = list(client.chat.completions.create(model="mm_pipeline", messages=[user("Hi")], stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello!"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    assert backend.requests[1]["stream"][0] and backend.closed == 2
+
+
+def test_sdk_sees_openai_errors_with_their_status(gateway):
+    import openai
+
+    backend = FakeBackend(error=errors.from_triton("[INVALID_ARG] image[0]: cannot identify the image file"))
+    client = sdk(gateway(backend))
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="mm_pipeline", messages=[user("Hi")], stream=stream)
+        assert info.value.status_code == 400 and "cannot identify" in info.value.message
+    backend.error = errors.from_grpc("UNAVAILABLE", "connection refused")
+    with pytest.raises(openai.InternalServerError) as info:
+        client.chat.completions.create(model="mm_pipeline", messages=[user("Hi")])
+    assert info.value.status_code == 503
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="mm_pipeline", messages=[user("Hi")], n=2)
+    assert info.value.param == "n" and info.value.code == "unsupported"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=[user("Hi")])
+    assert info.value.code == "model_not_found"
+
+
+def test_error_after_the_first_token_is_an_error_event(gateway):
+    import openai
+
+    class Failing(FakeBackend):
+        async def generate(self, tensors, request_id):
+            yield STREAM[0]
+            raise errors.from_triton("[UNAVAILABLE] the engine died")
+
+    client = sdk(gateway(Failing()))
+    stream = client.chat.completions.create(model="mm_pipeline", messages=[user("Hi")], stream=True)
+    with pytest.raises(openai.APIError, match="the engine died"):
+        list(stream)
+
+
+def test_http_answers(gateway):
+    client = gateway(FakeBackend(), served_model_name="qwen-omni")
+    assert client.get("/v1/models").json()["data"][0]["id"] == "qwen-omni"
+    assert client.get("/v1/models/qwen-omni").status_code == 200
+    assert client.get("/health").status_code == 200
+    reply = client.post("/v1/chat/completions", content=b"{not json")
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_json"
+    reply = client.get("/v1/nothing")
+    assert reply.status_code == 404 and set(reply.json()["error"]) == {"message", "type", "param", "code"}
+    down = gateway(FakeBackend(ready=errors.unavailable("the model 'mm_pipeline' is not ready on Triton")))
+    reply = down.get("/health")
+    assert reply.status_code == 503 and reply.json()["error"]["type"] == "service_unavailable"
+    small = gateway(FakeBackend(), max_request_bytes=100)
+    reply = small.post("/v1/chat/completions", json=body(user("x" * 200)))
+    assert reply.status_code == 413
+
+
+def test_abort_and_missing_finish_reason(gateway):
+    client = gateway(FakeBackend([Delta("x", [1], "abort", 5, 1, None)]))
+    assert client.post("/v1/chat/completions", json=body(user("Hi"))).status_code == 503
+    client = gateway(FakeBackend([Delta("x", [1], None, 5, 1, None)]))
+    reply = client.post("/v1/chat/completions", json=body(user("Hi")))
+    assert reply.status_code == 500 and "incident" in reply.json()["error"]["message"]
+
+
+def test_cli_help():
+    from mmserve.gateway.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
