@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from mmserve_dev.samples import AUDIO_SAMPLE_RATE, encode_audio, encode_image, sample_audio, sample_image
+from utils import rejects
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -28,18 +29,6 @@ def preprocessor(tiny_models):
     from mmserve.serving.preprocess import Preprocessor
 
     return Preprocessor(tiny_models["qwen2_5_omni"])
-
-
-def rejects(call, message: str) -> str:
-    """``call()`` raises a PreprocessError (INVALID_ARG) whose message contains ``message``."""
-    from mmserve.errors import InputError
-    from mmserve.serving.preprocess import PreprocessError
-
-    with pytest.raises(PreprocessError) as err:
-        call()
-    assert isinstance(err.value, InputError)
-    assert message in str(err.value), str(err.value)
-    return str(err.value)
 
 
 def wave_of(wav: bytes) -> np.ndarray:

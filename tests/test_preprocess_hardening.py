@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from mmserve_dev.samples import AUDIO_SAMPLE_RATE, encode_audio, encode_image, sample_audio, sample_image
+from utils import rejects
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 MODEL_DIR = Path(__file__).resolve().parents[1] / "model_repository" / "preprocess"
@@ -44,18 +45,6 @@ def limited(preprocessor, **limits):
     from mmserve.serving.preprocess import PreprocessLimits
 
     return preprocessor.with_settings(limits=PreprocessLimits(**limits))
-
-
-def rejects(call, message: str) -> str:
-    """``call()`` raises a PreprocessError containing ``message`` (plain text, not a regex)."""
-    from mmserve.errors import InputError
-    from mmserve.serving.preprocess import PreprocessError
-
-    with pytest.raises(PreprocessError) as err:
-        call()
-    assert isinstance(err.value, InputError)
-    assert message in str(err.value), str(err.value)
-    return str(err.value)
 
 
 def png_header_only(width: int, height: int) -> bytes:

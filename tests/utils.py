@@ -317,3 +317,18 @@ def engine_core_pids(server: Endpoints) -> list[int]:
 
 def shm_leftovers() -> set[str]:
     return set(os.listdir("/dev/shm"))
+
+
+def rejects(call: Callable[[], Any], message: str) -> str:
+    """``call()`` raises a PreprocessError (an InputError: INVALID_ARG) whose message contains
+    ``message`` (plain text, not a regex); returns the message."""
+    import pytest
+
+    from mmserve.errors import InputError
+    from mmserve.serving.preprocess import PreprocessError
+
+    with pytest.raises(PreprocessError) as err:
+        call()
+    assert isinstance(err.value, InputError)
+    assert message in str(err.value), str(err.value)
+    return str(err.value)
