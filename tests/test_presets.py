@@ -15,8 +15,9 @@ configuration: the tiny directory (config, weights, tokenizer, chat template) wi
   window), its largest accepted image and clip fit the engine (``max_model_len``) and what vLLM's
   pass-through processor profiles (its dummy items), and the family's counting rule holds on them.
 
-Found this way: with the real Omni processor (a 300-s audio window) preprocess accepts clips the Omni
-family's pass-through rule refuses (over 30 s); a strict xfail holds the gap, a test the workaround.
+Found this way: with the real Omni processor (a 300-s audio window) preprocess accepted clips the Omni
+family's pass-through rule refuses (over 30 s); preprocess now bounds clips by the family's encoder
+(``ModalitySpec.max_item_seconds``) as well as by the feature extractor's window.
 """
 
 from __future__ import annotations
@@ -313,8 +314,10 @@ def test_preprocess_runs_the_checkpoints_settings(hub_name, checkpoints):
         size = checkpoint.preprocessor.processor.image_processor.size
         assert (size["shortest_edge"], size["longest_edge"]) == (settings["min_pixels"], settings["max_pixels"])
     if "n_samples" in settings:
-        window = settings["n_samples"] / settings["sampling_rate"]  # 300 s for Omni, 30 s for Qwen2-Audio
-        assert checkpoint.preprocessor.audio_window_s == checkpoint.preprocessor.max_audio_seconds == window
+        extractor = checkpoint.preprocessor.processor.feature_extractor
+        assert extractor.n_samples == settings["n_samples"]  # 300 s for Omni, 30 s for Qwen2-Audio
+        window = min(settings["n_samples"] / settings["sampling_rate"], checkpoint.passthrough_clip_s())
+        assert checkpoint.preprocessor.audio_window_s == checkpoint.preprocessor.max_audio_seconds == window == 30.0
 
 
 @pytest.mark.parametrize("hub_name", list(REAL))
@@ -344,31 +347,21 @@ def test_largest_items_fit_the_engine_and_vllms_profile(hub_name, checkpoints):
         assert largest["image"] == profiled["image"] == settings["max_pixels"] // (14 * 2) ** 2
 
 
-@pytest.mark.parametrize("hub_name", [
-    pytest.param("Qwen2.5-Omni-7B", marks=pytest.mark.xfail(strict=True, reason=(
-        "the real Omni feature extractor's window is 300 s and preprocess accepts clips up to "
-        "max_total_audio_seconds (60 s), but the Omni family's pass-through rule refuses more than "
-        "2 * max_source_positions = 3000 frames (30 s): a 30-60 s clip passes preprocess and is "
-        "refused by mm_llm"))),
-    "Qwen2-Audio-7B-Instruct",
-])
+@pytest.mark.parametrize("hub_name", ["Qwen2.5-Omni-7B", "Qwen2-Audio-7B-Instruct"])
 def test_preprocess_accepts_no_clip_the_passthrough_refuses(hub_name, checkpoints):
     checkpoint = checkpoints(hub_name)
     seconds = checkpoint.longest_clip_s()
     checkpoint.tokens("audio", {"audios": [_clip(seconds)]})
 
 
-def test_omni_clips_fit_with_max_audio_seconds_30(checkpoints):
-    """The workaround until the gap above is closed: preprocess's ``max_audio_seconds`` at 30 (a
-    config.pbtxt parameter) when serving the real Omni checkpoint."""
+def test_omni_clips_stop_at_the_encoders_30_s(checkpoints):
+    """The real Omni processor's window is 300 s; preprocess refuses what the encoder rule would,
+    with its own message, and a configured max_audio_seconds over that bound fails the load."""
     checkpoint = checkpoints("Qwen2.5-Omni-7B")
-    limits = dataclasses.replace(checkpoint.limits, max_audio_seconds=30.0)
-    preprocessor = checkpoint.preprocessor.with_settings(limits=limits)
+    preprocessor = checkpoint.preprocessor
     assert preprocessor.max_audio_seconds == checkpoint.passthrough_clip_s() == 30.0
-    original, checkpoint.preprocessor = checkpoint.preprocessor, preprocessor
-    try:
-        checkpoint.tokens("audio", {"audios": [_clip(30.0)]})
-        with pytest.raises(Exception, match=r"exceeds the limit of 30\.0 s per clip"):
-            checkpoint.tokens("audio", {"audios": [_clip(30.5)]})
-    finally:
-        checkpoint.preprocessor = original
+    with pytest.raises(ValueError, match="exceeds the model's audio window of 30.0 s"):
+        preprocessor.with_settings(limits=dataclasses.replace(checkpoint.limits, max_audio_seconds=60.0))
+    checkpoint.tokens("audio", {"audios": [_clip(30.0)]})
+    with pytest.raises(Exception, match=r"exceeds the limit of 30\.0 s per clip"):
+        checkpoint.tokens("audio", {"audios": [_clip(30.5)]})

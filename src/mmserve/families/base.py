@@ -127,6 +127,12 @@ class ModalitySpec(ABC):
         (smaller tensors on every hop); the model's outputs must stay identical. Default: as is."""
         return dict(data)
 
+    def max_item_seconds(self, checkpoint_config: Mapping[str, Any], processor: Any) -> float | None:
+        """The longest item (in seconds, for time-based media) that ``validate`` accepts for this
+        checkpoint (its ``config.json`` as a dict), so that preprocessing refuses longer ones with its
+        own message instead of passing them to the engine. Default: no such bound."""
+        return None
+
 
 @dataclass(frozen=True)
 class FamilySpec:

@@ -194,6 +194,18 @@ class WhisperAudio(ModalitySpec):
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"{int(item['feature_attention_mask'].sum())} valid mel frames"
 
+    def max_item_seconds(self, checkpoint_config: Mapping[str, Any], processor: Any) -> float | None:
+        """``validate``'s bound, ``2 * max_source_positions`` valid frames (30 s for every Qwen audio
+        encoder), in seconds of the feature extractor's hop. The feature extractor's own window may
+        be longer (Qwen2.5-Omni-7B's is 300 s)."""
+        audio = _find_audio_config(checkpoint_config)
+        extractor = getattr(processor, "feature_extractor", None)
+        positions = (audio or {}).get("max_source_positions")
+        hop, rate = getattr(extractor, "hop_length", None), getattr(extractor, "sampling_rate", None)
+        if not (positions and hop and rate):
+            return None
+        return 2 * int(positions) * int(hop) / int(rate)
+
     def processor_kwargs(self, processor: Any, items: Sequence[Any]) -> dict[str, Any]:
         """Pad the clips to just past the longest one instead of the 30-s window (unless
         ``fixed_frames``): the feature extractor's cost is that of the padded length (a 3-s clip:
@@ -226,3 +238,16 @@ class WhisperAudio(ModalitySpec):
             return dict(data)
         return {**data, "input_features": np.ascontiguousarray(features[..., :frames]),
                 "feature_attention_mask": np.ascontiguousarray(mask[..., :frames])}
+
+
+def _find_audio_config(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The ``audio_config`` of a checkpoint's ``config.json``, wherever the family nests it
+    (Qwen2-Audio: at the top; Qwen2.5-Omni: under ``thinker_config``)."""
+    if isinstance(config.get("audio_config"), Mapping):
+        return config["audio_config"]
+    for value in config.values():
+        if isinstance(value, Mapping):
+            found = _find_audio_config(value)
+            if found is not None:
+                return found
+    return None

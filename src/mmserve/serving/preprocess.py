@@ -520,10 +520,19 @@ class Preprocessor:
         self.user_control_tokens = user_control_tokens
 
     def _audio_window(self, extractor: Any) -> float | None:
+        """The longest clip: the feature extractor's window, or less where the family's encoder
+        accepts less (``ModalitySpec.max_item_seconds``)."""
+        windows = []
         n_samples = getattr(extractor, "n_samples", None)
         if n_samples and self.sampling_rate:
-            return n_samples / self.sampling_rate
-        return None
+            windows.append(n_samples / self.sampling_rate)
+        audio = self.family.modality("audio")
+        if audio is not None:
+            config = json.loads((Path(self.model) / "config.json").read_text())
+            encoder = audio.max_item_seconds(config, self.processor)
+            if encoder is not None:
+                windows.append(encoder)
+        return min(windows, default=None)
 
     def _max_audio_seconds(self) -> float:
         configured = self.limits.max_audio_seconds
