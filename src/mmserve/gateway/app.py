@@ -275,6 +275,10 @@ async def _events(answer: _Answer, first: Delta, deltas: AsyncIterator[Delta]) -
                 yield _sse(answer.chunk({"content": delta.text}, logprobs=entries))
             if answer.finish_reason is not None:
                 yield _sse(answer.chunk({}, finish_reason=answer.finish_reason))
+                # Read the stream to its end (mm_pipeline's empty final response follows): closing it
+                # now would cancel a request Triton is completing, which crashes Triton 2.51.
+                async for _ in deltas:
+                    pass
                 break
             delta = await _next(deltas)
         if answer.finish_reason is None:
