@@ -100,6 +100,12 @@ def test_sampling_defaults_and_aliases():
 def test_media_sources():
     assert convert.data_url_bytes("data:image/png;base64," + b64(PNG), "p") == PNG
     assert convert.data_url_bytes("data:,a%20b", "p") == b"a b"
+    wrapped = b64(PNG)
+    wrapped = "\n".join(wrapped[i:i + 76] for i in range(0, len(wrapped), 76))  # MIME-style lines
+    assert convert.b64decode(wrapped, "p", "x") == PNG
+    for bad in ("QUJD!", "QUJ", "QUJDé", "QU JD="):  # stray symbol, short, non-ASCII, padding inside
+        with pytest.raises(errors.APIError, match="p: x is not valid base64"):
+            convert.b64decode(bad, "p", "x")
     assert convert_body(body(user(audio()))).audios == [WAV]
     data_url_audio = {"type": "input_audio", "input_audio": {"data": "data:audio/wav;base64," + b64(WAV),
                                                              "format": "wav"}}

@@ -70,3 +70,15 @@ def test_the_runtime_imports_no_tooling():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             offenders += [f"{path.relative_to(ROOT)}: {name}" for name in names if name.split(".")[0] == "mmserve_dev"]
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("module", ["mmserve.serving.pipeline", "mmserve.gateway.app", "mmserve.families",
+                                    "mmserve.errors", "mmserve.vllm_seam"])
+def test_light_modules_load_no_engine(module):
+    """mm_pipeline's stub and the gateway need tensor names and errors only: importing them must not
+    load vLLM or torch (7 s at start, and at stop a stub that tears them down for seconds: a server
+    stop past Triton's exit timeout)."""
+    code = (f"import sys, {module}; "
+            "print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]", f"importing {module} loads {loaded.strip()}"

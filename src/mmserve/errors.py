@@ -24,8 +24,6 @@ import re
 import uuid
 from typing import ClassVar
 
-from vllm.exceptions import VLLMValidationError
-
 logger = logging.getLogger(__name__)
 
 
@@ -65,12 +63,12 @@ class InternalError(ServiceError):
     http_status = 500
 
 
-class ProcessedInputError(InputError, VLLMValidationError):
+class ProcessedInputError(InputError):
     """Already-processed multimodal tensors that don't fit the model or the prompt.
 
-    Also a ``VLLMValidationError``, vLLM's client-error class, so that ``AsyncLLM.generate``
-    re-raises it to the caller as it is (and a ``ValueError``, what vLLM's offline ``LLM`` and most
-    callers expect of bad input).
+    A ``ValueError`` (what vLLM's offline ``LLM`` and most callers expect of bad input). Raised
+    inside vLLM's processor, it becomes a ``VLLMValidationError`` too (``mmserve.vllm_seam``), so
+    that ``AsyncLLM.generate`` re-raises it to the caller as it is; this module imports no vLLM.
     """
 
     def __init__(
@@ -94,8 +92,7 @@ class ProcessedInputError(InputError, VLLMValidationError):
         message = f"{where}: expected {expected}, found {found}"
         if hint:
             message += f" ({hint})"
-        VLLMValidationError.__init__(self, message, parameter=field)
-        self.parameter = None  # the message names the field already; don't append it again
+        super().__init__(message)
 
 
 # A path of two or more components (``/usr/lib/x.py``, ``/work/models/m``): never shown to a client.

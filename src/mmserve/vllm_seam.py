@@ -21,10 +21,14 @@ The rest of the package imports from ``vllm`` only its public names (``tests/tes
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+from mmserve.errors import ProcessedInputError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -178,6 +182,36 @@ def engine_core_pids(engine: AsyncLLM) -> list[int]:
 # --- the multimodal processor --------------------------------------------------------------------
 
 
+@functools.cache
+def _engine_input_error_class() -> type[ProcessedInputError]:
+    from vllm.exceptions import VLLMValidationError
+
+    class EngineInputError(ProcessedInputError, VLLMValidationError):
+        """A ``ProcessedInputError`` raised inside vLLM's processor: also vLLM's client-error
+        class, which ``AsyncLLM.generate`` re-raises to its caller as it is (any other exception
+        becomes an ``EngineGenerateError`` there)."""
+
+        parameter = None  # the message names the field already: VLLMValidationError adds nothing
+        value = None
+
+    return EngineInputError
+
+
+@contextlib.contextmanager
+def _as_engine_input_errors() -> Iterator[None]:
+    """Re-raise the project's ``ProcessedInputError`` as the class vLLM passes on to the caller."""
+    try:
+        yield
+    except ProcessedInputError as exc:
+        cls = _engine_input_error_class()
+        if isinstance(exc, cls):
+            raise
+        converted = cls.__new__(cls)
+        converted.__dict__.update(exc.__dict__)
+        converted.args = exc.args
+        raise converted.with_traceback(exc.__traceback__) from None
+
+
 class ProcessingInfoHooks:
     """Mixin over a stock vLLM ``BaseProcessingInfo``: the project parses some modalities of a
     request itself (``select_own``, ``parse_own``); the others go to the stock parser."""
@@ -193,7 +227,8 @@ class ProcessingInfoHooks:
     def parse_mm_data(self, mm_data: Mapping[str, Any], *, validate: bool = True) -> MultiModalDataItems:
         from vllm.multimodal.parse import MultiModalDataItems
 
-        own = self.select_own(mm_data)
+        with _as_engine_input_errors():
+            own = self.select_own(mm_data)
         stock = super().parse_mm_data(  # type: ignore[misc]
             {m: d for m, d in mm_data.items() if m not in own}, validate=validate
         )
@@ -204,7 +239,8 @@ class ProcessingInfoHooks:
         items = MultiModalDataItems()
         for modality in mm_data:
             if modality in own:
-                items[modality] = self.parse_own(modality, own[modality], hf_config)
+                with _as_engine_input_errors():
+                    items[modality] = self.parse_own(modality, own[modality], hf_config)
                 if validate:
                     self.validate_num_items(modality, len(items[modality]))  # type: ignore[attr-defined]
             elif modality in stock:
@@ -235,7 +271,8 @@ class MultiModalProcessorHooks:
         raise NotImplementedError
 
     def apply(self, inputs, timing_ctx):  # vLLM's signature (ProcessorInputs, TimingContext)
-        self.check_request(inputs.mm_data_items)
+        with _as_engine_input_errors():
+            self.check_request(inputs.mm_data_items)
         return super().apply(inputs, timing_ctx)  # type: ignore[misc]
 
     def _maybe_apply_prompt_updates(self, mm_items, mm_res):  # vLLM's signature
@@ -250,7 +287,8 @@ class MultiModalProcessorHooks:
         for modality, items in mm_items.items():
             # Not get_vocab(): that copies the whole vocabulary, on every request.
             token_id = tokenizer.convert_tokens_to_ids(self.placeholder_token(modality))
-            runs = self.locate_placeholders(modality, items, prompt_ids, token_id)
+            with _as_engine_input_errors():
+                runs = self.locate_placeholders(modality, items, prompt_ids, token_id)
             placeholders[modality] = [
                 PlaceholderFeaturesInfo(
                     modality=modality,

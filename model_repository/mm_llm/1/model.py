@@ -20,6 +20,7 @@ parameters. The logic lives in mmserve.serving.llm; see docs/tensors.md, docs/RE
 """
 
 import functools
+import gc
 import json
 import logging
 import os
@@ -128,3 +129,6 @@ class TritonPythonModel:
     def finalize(self):
         self.service.shutdown()  # requests still in flight are answered; then no stats arrive
         self.metrics.close()
+        # Now, while the stub can still free them: response senders held in reference cycles (an
+        # exception's traceback) freed at interpreter exit crash the stub (Triton 2.51).
+        gc.collect()

@@ -5,6 +5,7 @@ Inputs and outputs: those of mm_ensemble (docs/tensors.md). Decoupled: streams w
 The logic lives in mmserve.serving.pipeline.
 """
 
+import gc
 import json
 
 import triton_python_backend_utils as pb_utils
@@ -30,3 +31,6 @@ class TritonPythonModel:
 
     def finalize(self):
         self.pipeline.shutdown()
+        # Now, while the stub can still free them: response senders held in reference cycles (an
+        # exception's traceback) freed at interpreter exit crash the stub (Triton 2.51).
+        gc.collect()

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from mmserve.errors import ProcessedInputError
 from mmserve.wire import TensorSpec
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig
 
 
@@ -45,6 +45,7 @@ class ModalitySpec(ABC):
 
     def check_fields(self, data: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Presence, type, dtype kind and rank of every field; returns the fields as tensors."""
+        import torch  # here, not at the top: the specs' names serve processes that load no torch
         unknown = sorted(set(data) - self.field_names)
         if unknown:
             raise ProcessedInputError(
@@ -158,6 +159,8 @@ class FamilySpec:
 
 def as_tensor(value: Any, modality: str, field: str) -> torch.Tensor:
     """Accept torch tensors and numpy arrays (what Triton hands over)."""
+    import torch
+
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, np.ndarray):

@@ -8,12 +8,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from mmserve.errors import ProcessedInputError
 from mmserve.families.base import FieldSpec, ModalitySpec
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig
 
 

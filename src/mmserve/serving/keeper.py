@@ -7,10 +7,11 @@ tell the truth. Something must then load it back, and on 2.51 it can't be a Pyth
 a stub that loads a model after its own unload corrupts its heap, and one that polls
 ``pb_utils.is_model_ready`` beside its requests crashes tritonserver
 (``boost::interprocess::lock_exception``). So the keeper is a client of Triton's HTTP repository
-API, beside the server: when the first of ``models`` goes from ready to not ready, it loads every
-one of ``models`` that is not ready, in order (``mm_llm``, then ``mm_ensemble``, which Triton
-unloaded with it). ``mmserve_dev.triton`` runs one (``scripts/serve.sh``, the tests); elsewhere
-run it as a sidecar (needs ``--model-control-mode=explicit``)::
+API, beside the server: when Triton's repository index shows the first of ``models``
+UNAVAILABLE (it unloaded itself, or a load failed), it loads every one of ``models`` that is not
+ready, in order (``mm_llm``, then ``mm_ensemble``, which Triton unloaded with it).
+``mmserve_dev.triton`` runs one (``scripts/serve.sh``, the tests); elsewhere run it as a sidecar
+(needs ``--model-control-mode=explicit``)::
 
     python -m mmserve.serving.keeper --url 127.0.0.1:8000 mm_llm mm_ensemble
 """
@@ -18,6 +19,7 @@ run it as a sidecar (needs ``--model-control-mode=explicit``)::
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import threading
@@ -60,17 +62,28 @@ class ModelKeeper:
         except (urllib.error.URLError, OSError):
             return False
 
+    def _unloaded(self, model: str) -> bool:
+        """Whether Triton's repository index says ``model`` is UNAVAILABLE: unloaded (by itself,
+        after a fault) or failed to load. Not while it loads, unloads or serves, nor when Triton
+        can't be asked (it is starting or stopping)."""
+        request = urllib.request.Request(f"{self.base}/v2/repository/index", data=b"{}", method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=5) as reply:
+                index = json.load(reply)
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+        states = {entry.get("state") for entry in index if entry.get("name") == model}
+        return states == {"UNAVAILABLE"}
+
     def run(self) -> None:
-        """Watch until ``stop`` (in the calling thread)."""
+        """Watch until ``stop`` (in the calling thread). The repository index, not readiness, tells
+        a model that unloaded from one still loading: a fault just after the start is healed too."""
         watched = self.models[0]
-        seen_ready = False
         while not self._stopping.wait(self.interval_s):
-            if self._ready(watched):
-                seen_ready = True
+            if not self._unloaded(watched):
                 continue
-            if not seen_ready:  # still loading at start
-                continue
-            if self._stopping.wait(self.grace_s) or self._ready(watched):
+            if self._stopping.wait(self.grace_s) or not self._unloaded(watched):
                 continue
             self._load_back()
 
