@@ -250,6 +250,10 @@ class Run:
     round: int
     wall_s: float
     outcomes: list[Outcome]
+    client_cpu_s: float = 0.0
+    """CPU time of this benchmark's process during the run (building, sending, reading requests)."""
+    gateway_cpu_s: float = 0.0
+    """CPU time of the gateway's process during the run (0 on the gRPC paths: it is idle then)."""
 
 
 async def timed(path: Any, request: Request, slots: asyncio.Semaphore, origin: float) -> Outcome:
@@ -350,6 +354,13 @@ class Gateway:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def cpu_s(self) -> float:
+        """CPU time the gateway's process has used (user + system)."""
+        import psutil
+
+        times = psutil.Process(self.process.pid).cpu_times()
+        return times.user + times.system
+
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -431,6 +442,7 @@ async def measure(settings: Settings, server: Any, gateway: Gateway) -> tuple[li
             cell: list[Run] = []
             for path in peers.rotated(paths, index):
                 await asyncio.sleep(settings.settle_s)
+                cpu = (time.process_time(), gateway.cpu_s())
                 try:
                     wall, outcomes = await run_requests(path, requests, level)
                 except peers.RequestFailed as failure:
@@ -439,7 +451,8 @@ async def measure(settings: Settings, server: Any, gateway: Gateway) -> tuple[li
                                f"tritonserver {alive}; its log: {server.log_path})")
                     print(f"FAILED: {message}", flush=True)
                     return runs, version, message
-                cell.append(Run(path.name, workload, level, round_, wall, outcomes))
+                cell.append(Run(path.name, workload, level, round_, wall, outcomes, time.process_time() - cpu[0],
+                                gateway.cpu_s() - cpu[1] if path.name == GATEWAY else 0.0))
                 s = Stats.of([cell[-1]])
                 print(f"  {workload:<11} c={level:<3} round {round_}  {path.name:<11} {s.requests:3d} req "
                       f"{s.requests_s:7.2f} req/s  TTFT p50 {s.ttft_p50_ms:6.1f} ms  latency p50 "
@@ -553,7 +566,7 @@ def tables(settings: Settings, runs: Sequence[Run], aiperf: Sequence[dict[str, A
                      f"{g.requests_s / p.requests_s:.3f}x | {g.requests_s / e.requests_s:.3f}x | "
                      f"{g.ttft_p50_ms - p.ttft_p50_ms:+.1f} | {g.ttft_p50_ms - e.ttft_p50_ms:+.1f} | "
                      f"{g.latency_p50_ms - p.latency_p50_ms:+.1f} |")
-    lines += ["", targets(settings, runs)]
+    lines += ["", targets(settings, runs), "", *cpu_table(settings, runs)]
     for workload in settings.workloads:
         lines += ["", f"### {workload}", "",
                   "| concurrency | path | req/s | TTFT p50 (ms) | TTFT p95 (ms) | latency p50 (ms) | latency p95 (ms) "
@@ -590,6 +603,29 @@ def tables(settings: Settings, runs: Sequence[Run], aiperf: Sequence[dict[str, A
                          f"{_fmt(row.get('request_kb'), '.0f')} | {row['wall_s']} | "
                          f"{mine} |")
     return "\n".join(lines)
+
+
+def cpu_table(settings: Settings, runs: Sequence[Run]) -> list[str]:
+    """CPU milliseconds per request, by workload (all concurrency levels): unlike the times above,
+    these hardly depend on the machine's load."""
+    lines = ["### CPU per request (ms)", "",
+             "The gateway's own process, and this benchmark's client per path (building the request: JSON "
+             "with base64 media, or tensors; reading the stream: SSE or gRPC). On this 2-core machine every "
+             "CPU millisecond is taken from the engine and the Triton models.", "",
+             "| workload | gateway process | client, gateway path | client, mm_pipeline path "
+             "| client, mm_ensemble path |", "|---|---:|---:|---:|---:|"]
+    for workload in settings.workloads:
+        per: dict[str, tuple[float, float]] = {}
+        for path in PATHS:
+            mine = [r for r in runs if r.workload == workload and r.path == path]
+            count = sum(len(r.outcomes) for r in mine)
+            if count:
+                per[path] = (sum(r.gateway_cpu_s for r in mine) / count * 1e3,
+                             sum(r.client_cpu_s for r in mine) / count * 1e3)
+        if len(per) == len(PATHS):
+            lines.append(f"| {workload} | {per[GATEWAY][0]:.1f} | {per[GATEWAY][1]:.1f} | {per[PIPELINE][1]:.1f} "
+                         f"| {per[ENSEMBLE][1]:.1f} |")
+    return lines
 
 
 def targets(settings: Settings, runs: Sequence[Run]) -> str:
@@ -727,7 +763,7 @@ def report(settings: Settings, runs: list[Run], aiperf: list[dict[str, Any]], ve
         "summary": [{"workload": w, "concurrency": c, "path": p, **vars(s)} for (w, c, p), s in stats.items()],
         "aiperf": [{k: v for k, v in row.items() if k not in ("tail", "log", "export")} for row in aiperf],
         "runs": [{"path": r.path, "workload": r.workload, "concurrency": r.concurrency, "round": r.round,
-                  "wall_s": r.wall_s,
+                  "wall_s": r.wall_s, "client_cpu_s": round(r.client_cpu_s, 4), "gateway_cpu_s": round(r.gateway_cpu_s, 4),
                   "requests": [{"seed": o.seed, "start_s": round(o.start_s, 6),
                                 "ttft_s": None if o.ttft_s is None else round(o.ttft_s, 6),
                                 "latency_s": round(o.latency_s, 6), "tokens": o.answer.tokens,
