@@ -115,3 +115,37 @@ def test_clean_stop_after_faults(own_server):
     assert code == 0 and took < 15, (code, took, triton.log_tail())
     assert not [pid for pid in group if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     assert not [path for path in shm if path.exists()]
+
+
+@pytest.mark.parametrize("victim", ["tritonserver", "mm_llm stub"])
+def test_engine_dies_with_a_killed_server(tiny_models, victim):
+    """tritonserver SIGKILLed (a crash, the OOM killer): mm_llm's stub exits (``exit_with_server``),
+    and vLLM's engine core and workers go with it instead of staying behind with the model's memory
+    (measured before: the stub still running 40 s later, its engine with it). The stub SIGKILLed
+    alone: the engine core dies with it (``die_with_triton_stub``), its workers after it. Runs after
+    the clean stop above (its own server: never two engines at once)."""
+    import psutil
+
+    from mmserve import settings
+    from mmserve_dev.triton import TritonServer
+
+    env = {settings.MODEL.name: str(tiny_models["qwen2_5_omni"]), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with TritonServer(ROOT / "model_repository", env=env, load_models=("mm_llm",),
+                      shm_default_byte_size=32 * 1024 * 1024) as triton:
+        engine, stub = [], None
+        for process in psutil.Process(triton.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                command = process.cmdline()
+                if command[:1] and command[0].startswith("VLLM::"):
+                    engine.append(process)
+                elif any("mm_llm/1/model.py" in part for part in command):
+                    stub = process
+        assert stub is not None and any(p.cmdline()[0] == "VLLM::EngineCore" for p in engine), \
+            [p.cmdline()[:1] for p in engine]
+        os.kill(triton.pid if victim == "tritonserver" else stub.pid, signal.SIGKILL)
+        started = time.monotonic()
+        # the stub too, when tritonserver died (killed itself, it stays a zombie of the server's)
+        _, alive = psutil.wait_procs([*engine, stub] if victim == "tritonserver" else engine, timeout=30)
+        print(f"\nthe engine's processes gone {time.monotonic() - started:.1f} s after the {victim}'s SIGKILL")
+        assert not [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE], \
+            f"orphaned: {[(p.pid, p.cmdline()[:1]) for p in alive]}"

@@ -169,6 +169,12 @@ class EngineRunner:
             self._stop_loop()
             self._remove_shm()
 
+    def kill(self) -> None:
+        """SIGKILL the engine's processes and remove their shared memory, now (no graceful stop):
+        for when this process is about to go (its tritonserver died)."""
+        self.kill_processes()
+        self._remove_shm()
+
     def _remove_shm(self) -> None:
         # Processes that were killed (by us, by vLLM after SHUTDOWN_GRACE_S, or by a fault) leave
         # their shared memory behind: vLLM's message queues, 160 MB each.

@@ -28,7 +28,7 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
-from mmserve.serving.embedded import use_utf8_locale
+from mmserve.serving.embedded import exit_with_server, use_utf8_locale
 
 use_utf8_locale()  # first: before torch or vLLM read a file (see its docstring)
 
@@ -90,6 +90,8 @@ class TritonPythonModel:
         stat_logger = functools.partial(TritonStatLogger, metrics=self.metrics, on_record=self._progress)
         self.service = LLMService.start(config, stat_loggers=[stat_logger], health=health, on_failure=self._unload)
         self.family = self.service.family
+        # tritonserver killed or crashed: take the engine's processes along (the stub alone wouldn't).
+        exit_with_server(lambda: self.service.runner.kill())
 
     def _progress(self):
         service = getattr(self, "service", None)

@@ -1,9 +1,13 @@
-"""What the Triton Python-backend stub's embedded interpreter lacks; the adapters
-(``model_repository/*/1/model.py``) call this first, before torch or vLLM are imported."""
+"""What a Triton Python-backend stub lacks: a UTF-8 locale in its embedded interpreter (the adapters,
+``model_repository/*/1/model.py``, call ``use_utf8_locale`` first, before torch or vLLM are imported),
+and processes it starts that end with it and with its server (``exit_with_server``,
+``die_with_triton_stub``)."""
 
 from __future__ import annotations
 
 import locale
+import threading
+from collections.abc import Callable
 
 _ASCII = ("ascii", "ansi_x3.4-1968")
 
@@ -23,3 +27,64 @@ def use_utf8_locale() -> bool:
     except locale.Error:
         return False
     return True
+
+
+STUB_EXECUTABLE = "triton_python_backend_stub"
+
+
+def die_with_triton_stub() -> bool:
+    """In a process a Triton stub started (vLLM's engine core, through the plugin): have the kernel
+    SIGKILL this process when the stub dies; True if set.
+
+    A stub whose tritonserver is killed or crashes exits by itself ("Non-graceful termination"),
+    without shutting its engine down: vLLM's engine core (and, under it, its workers, which watch
+    their parent) would run on as orphans holding the model's memory. The signal is tied to the stub's
+    thread that started the engine (``mmserve.engine.EngineRunner``'s loop thread, alive as long as
+    the engine). Elsewhere (vLLM in any other program) nothing changes.
+    """
+    import ctypes
+    import os
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    try:
+        if os.path.basename(os.readlink(f"/proc/{parent}/exe")) != STUB_EXECUTABLE:
+            return False
+    except OSError:
+        return False
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        return False
+    if os.getppid() != parent:  # the stub died before the call: too late for the signal
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+def exit_with_server(cleanup: Callable[[], None], interval_s: float = 1.0) -> threading.Thread:
+    """In a Triton stub: once tritonserver is gone (this process was re-parented), run ``cleanup``
+    (``mm_llm``: SIGKILL the engine's processes, remove their shared memory) and exit at once.
+
+    A stub notices its server's death late or never (measured on 2.51: a stub still running 40 s
+    after tritonserver's SIGKILL), and the engine it started would run on with it, holding the
+    model's memory. Returns the watching thread (a daemon).
+    """
+    import os
+    import time
+
+    server = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != server:
+                try:
+                    cleanup()
+                finally:
+                    os._exit(1)
+
+    thread = threading.Thread(target=watch, name="mmserve-server-watch", daemon=True)
+    thread.start()
+    return thread
