@@ -10,7 +10,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from mmserve.serving.embedded import use_utf8_locale
+from mmserve.serving.embedded import exit_soon_after_finalize, use_utf8_locale
 
 use_utf8_locale()  # first: before torch or vLLM read a file (see its docstring)
 
@@ -34,3 +34,4 @@ class TritonPythonModel:
         # Now, while the stub can still free them: response senders held in reference cycles (an
         # exception's traceback) freed at interpreter exit crash the stub (Triton 2.51).
         gc.collect()
+        exit_soon_after_finalize()  # a stub that hangs on its way out would block the server's stop

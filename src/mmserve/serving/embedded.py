@@ -88,3 +88,17 @@ def exit_with_server(cleanup: Callable[[], None], interval_s: float = 1.0) -> th
     thread = threading.Thread(target=watch, name="mmserve-server-watch", daemon=True)
     thread.start()
     return thread
+
+
+def exit_soon_after_finalize(seconds: float = 5.0) -> None:
+    """Call last in a model's ``finalize``: if the stub has not exited ``seconds`` later, write every
+    thread's stack to stderr (the server log) and end the process.
+
+    The stub sends "finalized" and then tears its interpreter down; one that hangs there keeps
+    tritonserver from finishing its unload until ``--exit-timeout-secs`` runs out (exit code 1, seen
+    in CI). ``faulthandler``'s watchdog is a C thread: it works while the interpreter finalizes.
+    """
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)

@@ -171,3 +171,7 @@ class Pipeline:
         stub tears down crashes tritonserver 2.51 (``boost::interprocess::lock_exception``)."""
         self._stopping.set()
         self._watcher.join(timeout)
+        busy = [t.name for t in threading.enumerate() if t.name.startswith("mm_pipeline-") and t.is_alive()]
+        if busy:  # nothing should be in flight any more: say what is, for the log
+            logger.warning("mm_pipeline stops with threads still running: %s (requests registered: %d)",
+                           busy, len(self._clients))
