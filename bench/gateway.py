@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
 import hashlib
 import json
@@ -77,35 +76,11 @@ FLAGS = ("exclude_input_in_output", "return_finish_reason", "return_num_input_to
 """The flags the gateway sets on every request (``mmserve.gateway.convert.request_tensors``)."""
 
 
-@dataclass(frozen=True)
-class Settings:
-    workloads: tuple[str, ...]
-    concurrency: tuple[int, ...]
-    rounds: int
-    requests_per_slot: int
-    min_requests: int
-    warmup: int
-    settle_s: float
-    max_tokens: int
-    image_size: tuple[int, int]
-    audio_seconds: float
-    engine_args: dict[str, Any]
+@dataclass(frozen=True, kw_only=True)
+class Settings(peers.LoadSettings):
     aiperf: bool
     aiperf_requests: int
     aiperf_concurrency: tuple[int, ...]
-    out: Path
-    command: str
-
-    @property
-    def model(self) -> str:
-        return str(self.engine_args["model"])
-
-    @property
-    def sampling(self) -> dict[str, Any]:
-        return {"max_tokens": self.max_tokens, "temperature": 0.0, "ignore_eos": True}
-
-    def requests_per_run(self, concurrency: int) -> int:
-        return max(self.min_requests, self.requests_per_slot * concurrency)
 
 
 def parse_settings(argv: Sequence[str]) -> Settings:

@@ -141,9 +141,10 @@ STOP_GRACE_S = 20.0
 
 
 # -- settings ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Settings:
-    systems: tuple[str, ...]
+@dataclass(frozen=True, kw_only=True)
+class LoadSettings:
+    """What every load benchmark here sets: the workloads, the load and its requests, the engine."""
+
     workloads: tuple[str, ...]
     concurrency: tuple[int, ...]
     rounds: int
@@ -157,7 +158,6 @@ class Settings:
     engine_args: dict[str, Any]  # the same for every engine; "model" is the checkpoint
     out: Path
     command: str
-    sequential_start: bool  # on a GPU: each engine sizes its memory from what is free at its start
 
     @property
     def model(self) -> str:
@@ -170,6 +170,12 @@ class Settings:
 
     def requests_per_run(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_slot * concurrency)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings(LoadSettings):
+    systems: tuple[str, ...]
+    sequential_start: bool  # on a GPU: each engine sizes its memory from what is free at its start
 
 
 def argument_parser() -> argparse.ArgumentParser:

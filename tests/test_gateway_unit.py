@@ -232,6 +232,55 @@ def test_delta_from_an_infer_result():
     assert delta == Delta("Hi", [1, 2], None, 9, 2, [{"1": {"logprob": -1.0, "rank": 1, "decoded_token": "H"}}])
 
 
+def test_a_silent_triton_stream_times_out_and_is_cancelled():
+    """A Triton that accepts the stream, answers once, then hangs (a stand-in gRPC server on a real
+    socket: a hung tritonserver can't be made to order): the backend raises a 504 after its
+    response timeout, not never, and cancels the gRPC call, which the server sees."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from mmserve.gateway.triton import TritonBackend
+
+    async def scenario() -> tuple[list[Delta], errors.APIError, float, bool]:
+        cancelled = asyncio.Event()
+
+        class Silent(service_pb2_grpc.GRPCInferenceServiceServicer):
+            async def ModelStreamInfer(self, requests, context):
+                async for request in requests:
+                    yield service_pb2.ModelStreamInferResponse(
+                        infer_response=service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id))
+                    try:
+                        await asyncio.Event().wait()  # nothing more, ever
+                    except asyncio.CancelledError:
+                        cancelled.set()
+                        raise
+
+        server = grpc.aio.server()
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Silent(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        backend = TritonBackend(f"127.0.0.1:{port}", "mm_pipeline", response_timeout_s=0.5)
+        await backend.start()
+        got: list[Delta] = []
+        started = asyncio.get_running_loop().time()
+        try:
+            with pytest.raises(errors.APIError) as info:
+                async for delta in backend.generate({"text_input": np.array([b"Hi"], dtype=object)}, "r1"):
+                    got.append(delta)
+            took = asyncio.get_running_loop().time() - started
+            seen = await asyncio.wait_for(cancelled.wait(), 5) is True
+        finally:
+            await backend.close()
+            await server.stop(None)
+        return got, info.value, took, seen
+
+    got, error, took, seen = asyncio.run(scenario())
+    assert len(got) == 1 and got[0].text == ""
+    assert (error.status, error.code) == (504, "timeout") and "0.5 s" in error.message, error.body()
+    assert 0.5 <= took < 5, took
+    assert seen, "the server never saw the call cancelled"
+
+
 # -- the app with a fake Triton ------------------------------------------------------------------
 class FakeBackend:
     """Answers every request with ``deltas`` (or raises ``error`` at once); records what it got."""

@@ -30,6 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="time limit of one remote fetch")
     parser.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
                         help="largest request body (media travel in it as base64)")
+    parser.add_argument("--response-timeout-s", type=float, default=defaults.response_timeout_s,
+                        help="the longest wait for Triton's next response on a request, then the request is "
+                             "cancelled and answered 504 (0: no limit)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = parser.parse_args(argv)
 
@@ -40,7 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = GatewayConfig(triton_url=args.triton_url, model=args.model_name,
                            served_model_name=args.served_model_name, allow_remote_media=args.allow_remote_media,
                            media_max_bytes=args.media_max_bytes, media_timeout_s=args.media_timeout_s,
-                           max_request_bytes=args.max_request_bytes)
+                           max_request_bytes=args.max_request_bytes,
+                           response_timeout_s=args.response_timeout_s or None)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0

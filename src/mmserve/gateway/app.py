@@ -47,6 +47,9 @@ class GatewayConfig:
     media_max_bytes: int = 20 * 1024 * 1024
     media_timeout_s: float = 10.0
     max_request_bytes: int = 128 * 1024 * 1024
+    response_timeout_s: float | None = 300.0
+    """The longest wait for Triton's next response on a request (``None``: no limit); then the
+    request is cancelled and answered 504 (``mmserve.gateway.triton.TritonBackend``)."""
 
     @property
     def name(self) -> str:
@@ -59,7 +62,8 @@ class _ClientGone(Exception):
 
 def create_app(config: GatewayConfig, backend: Any = None) -> FastAPI:
     """The app; ``backend`` (default: a ``TritonBackend`` on ``config.triton_url``) for tests."""
-    backend = backend if backend is not None else TritonBackend(config.triton_url, config.model)
+    backend = backend if backend is not None else TritonBackend(config.triton_url, config.model,
+                                                               config.response_timeout_s)
     fetcher = MediaFetcher(config.media_max_bytes, config.media_timeout_s) if config.allow_remote_media else None
     created = int(time.time())
 

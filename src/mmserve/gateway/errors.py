@@ -10,6 +10,8 @@ an unknown ``model``       404     ``invalid_request_error``  ``model_not_found`
 a body over the limit      413     ``invalid_request_error``  ``request_too_large``
 Triton or the engine       503     ``service_unavailable``   ``service_unavailable``
 can't serve now
+Triton sent nothing for    504     ``service_unavailable``   ``timeout``
+the response timeout
 anything else              500     ``server_error``          ``internal_error`` (an incident id in
                                                              the message, the detail in the log)
 =========================  ======  ========================  ======================================
@@ -48,6 +50,10 @@ def invalid(message: str, param: str | None = None, code: str = "invalid_value")
 
 def unavailable(message: str) -> APIError:
     return APIError(503, message, type="service_unavailable", code="service_unavailable")
+
+
+def timed_out(message: str) -> APIError:
+    return APIError(504, message, type="service_unavailable", code="timeout")
 
 
 def internal(detail: str, exc: BaseException | None = None) -> APIError:

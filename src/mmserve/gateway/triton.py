@@ -4,12 +4,14 @@ tensors.
 
 A request is sent on its own stream, which is then half-closed: Triton ends the stream after the
 request's last response. Leaving the response iteration early (the HTTP client went away, the
-task was cancelled) cancels the gRPC call, which Triton reports to the model as the request's
-cancellation; ``mm_pipeline`` aborts the engine request.
+task was cancelled, Triton sent nothing for ``response_timeout_s``) cancels the gRPC call, which
+Triton reports to the model as the request's cancellation; ``mm_pipeline`` aborts the engine
+request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from mmserve.gateway.errors import (
     from_grpc,
     from_triton,
     internal,
+    timed_out,
     unavailable,
 )
 
@@ -81,12 +84,18 @@ def _grpc_error(exc: BaseException) -> APIError:
 class TritonBackend:
     """One asyncio gRPC channel to Triton (``url``: ``host:port``), requests to ``model``.
 
+    ``response_timeout_s``: the longest wait for Triton's next response on a request's stream (the
+    first one includes queueing, preprocessing and prefill); ``None``: no limit. A Triton that hangs
+    (the engine's own watcher covers a wedged engine, not a wedged server) then costs a request
+    this long, not forever.
+
     ``start()`` and ``close()`` run on the event loop that serves the requests (grpc.aio's channel
     belongs to it).
     """
 
-    def __init__(self, url: str, model: str) -> None:
+    def __init__(self, url: str, model: str, response_timeout_s: float | None = None) -> None:
         self.url, self.model = url, model
+        self.response_timeout_s = response_timeout_s
         self._client: Any = None
 
     async def start(self) -> None:
@@ -118,7 +127,15 @@ class TritonBackend:
 
         call = self._client.stream_infer(one_request())
         try:
-            async for result, error in call:
+            while True:
+                try:
+                    async with asyncio.timeout(self.response_timeout_s):
+                        result, error = await anext(call)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise timed_out(f"the model server sent nothing for {self.response_timeout_s:g} s; "
+                                    "the request was cancelled") from None
                 if error is not None:
                     raise from_triton(_message(error))
                 yield delta_from(result)
