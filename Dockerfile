@@ -90,7 +90,9 @@ ENV HF_HUB_OFFLINE=1 \
     VLLM_NO_USAGE_STATS=1 \
     DO_NOT_TRACK=1
 
-EXPOSE 8000 8001 8002
+# 8000-8002: Triton (HTTP, gRPC, metrics); 9000: the OpenAI gateway, which runs in a container of
+# its own from this image (`python3 -m mmserve.gateway`, deploy/kubernetes/deployment.yaml).
+EXPOSE 8000 8001 8002 9000
 
 # The user the server runs as: `triton-server`, UID/GID 1000. NGC's tritonserver images create it
 # themselves (Triton's build.py: useradd triton-server, then asserts UID and GID 1000, after deleting

@@ -660,6 +660,10 @@ throughput, which it would not on a machine with spare cores.
 | engine arguments | `{engine_args}` |
 | requests | {requests} |
 | media | new per request (seeded): image {image_size} PNG, clip {audio_seconds:g} s WAV 16 kHz mono; prompts differ too |
+| load average (1 min) | {load} (before the servers started / at the end: anything above the benchmark's own share means another job ran too) |
+
+Where the gateway's time goes and what lowers it (its CPU split, vLLM's `stream_interval`):
+[gateway-notes.md](gateway-notes.md), measured separately.
 
 ## Correctness
 
@@ -693,7 +697,7 @@ side-by-side ones above. Command (one per concurrency):
 
 def report(settings: Settings, runs: list[Run], aiperf: list[dict[str, Any]], version: str,
            elapsed_s: float, found: list[str], aiperf_version: str | None,
-           failure: str | None = None) -> tuple[str, dict[str, Any]]:
+           failure: str | None = None, load: tuple[float, float] | None = None) -> tuple[str, dict[str, Any]]:
     m = peers.machine()
     total = len({(r.workload, r.concurrency, r.round, o.seed) for r in runs for o in r.outcomes})
     check = (f"OK: every one of the {total} requests gave the same text and number of tokens "
@@ -724,6 +728,7 @@ def report(settings: Settings, runs: list[Run], aiperf: list[dict[str, Any]], ve
                   f"request(s) per workload and path first; each run starts {settings.settle_s:g} s after the "
                   "previous one; the paths' order rotates from cell to cell"),
         image_size=f"{settings.image_size[0]}x{settings.image_size[1]}", audio_seconds=settings.audio_seconds,
+        load="not measured" if load is None else f"{load[0]:.2f} / {load[1]:.2f}",
         check=check, tables=tables(settings, runs, aiperf), aiperf_note=note)
     stats = summarize(runs)
     data = {
@@ -732,6 +737,7 @@ def report(settings: Settings, runs: list[Run], aiperf: list[dict[str, Any]], ve
                      "max_tokens": settings.max_tokens, "warmup": settings.warmup,
                      "engine_args": {**settings.engine_args, "model": display_path(settings.model)}},
         "machine": m, "versions": peers.versions(version), "elapsed_s": elapsed_s, "mismatches": found,
+        "load_average": load,
         "overhead": [{"concurrency": c, **{p: vars(pooled(runs, c, p)) for p in PATHS}}
                      for c in measured_levels(settings, runs)],
         "failure": failure,
@@ -767,7 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     counts = ", ".join(f"c={c}: {settings.requests_per_run(c)}" for c in settings.concurrency)
     print(f"# gateway: {time.strftime('%Y-%m-%d %H:%M')}; workloads {', '.join(settings.workloads)}; requests per "
           f"run {counts}; {settings.rounds} round(s); aiperf: {settings.aiperf}", flush=True)
-    started = time.monotonic()
+    started, load_before = time.monotonic(), os.getloadavg()[0]
     if settings.aiperf:
         aiperf_binary()
     folder = Path(tempfile.mkdtemp(prefix="mmserve-gateway-run-"))
@@ -785,7 +791,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     peers.on_stop_signals(peers.raise_keyboard_interrupt)
     found = mismatches(runs, settings.max_tokens)
     markdown, data = report(settings, runs, aiperf, version, time.monotonic() - started, found,
-                            aiperf_installed_version() if aiperf else None, failure)
+                            aiperf_installed_version() if aiperf else None, failure,
+                            (load_before, os.getloadavg()[0]))
     print("\n" + tables(settings, runs, aiperf))
     print("\ncheck: " + ("OK" if not found else f"FAILED ({len(found)}): " + "; ".join(found[:5])))
     target = settings.out / "benchmarks"

@@ -248,13 +248,63 @@ def test_the_keeper_command_runs(tmp_path):
             process.kill()
 
 
-def test_service_exposes_the_three_ports_with_prometheus_annotations():
+def test_the_gateway_runs_beside_the_server():
+    gateway = _container(_one("Deployment"), "openai")
+    args = gateway["command"][3:]
+    assert gateway["command"][:3] == ["python3", "-m", "mmserve.gateway"]
+    assert args[args.index("--triton-url") + 1] == f"127.0.0.1:{_port(_container(_one('Deployment'), 'triton'), 'grpc')}"
+    assert args[args.index("--host") + 1] == "0.0.0.0"  # reachable through the Service
+    assert int(args[args.index("--port") + 1]) == _port(gateway, "openai")
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert "httpGet" not in gateway["livenessProbe"]  # /health follows the model: not a liveness check
+    assert "nvidia.com/gpu" not in gateway["resources"].get("limits", {})
+
+
+def test_the_gateway_command_runs(tmp_path):
+    """The gateway's command line as the pod runs it (on a free loopback port): it serves, /health is
+    503 while no Triton answers, and SIGTERM ends it after uvicorn's graceful shutdown (uvicorn then
+    re-raises the signal: exit status -SIGTERM here; as a container's PID 1, 0)."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    command = _container(_one("Deployment"), "openai")["command"]
+    argv = [sys.executable, *command[1:]]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv[argv.index("--triton-url") + 1] = "127.0.0.1:9"  # nothing listens
+    argv[argv.index("--host") + 1] = "127.0.0.1"
+    argv[argv.index("--port") + 1] = str(port)
+    process = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        status, deadline = None, time.monotonic() + 60
+        while status is None and time.monotonic() < deadline and process.poll() is None:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
+                status = 200
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            except OSError:
+                time.sleep(0.2)
+        assert status == 503, (status, process.poll())
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=15)
+        log = process.communicate()[0]
+        assert code in (0, -signal.SIGTERM) and "Finished server process" in log, (code, log)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_service_exposes_tritons_ports_and_the_gateways_with_prometheus_annotations():
     service, deployment = _one("Service"), _one("Deployment")
-    triton = _container(deployment, "triton")
     ports = {p["name"]: p for p in service["spec"]["ports"]}
-    assert {name: p["port"] for name, p in ports.items()} == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    assert {name: p["port"] for name, p in ports.items()} == {"http": 8000, "grpc": 8001, "metrics": 8002,
+                                                              "openai": 9000}
     for name, port in ports.items():
-        assert _port(triton, port["targetPort"]) == port["port"], name
+        container = _container(deployment, "openai" if name == "openai" else "triton")
+        assert _port(container, port["targetPort"]) == port["port"], name
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()

@@ -231,3 +231,66 @@ def test_the_client_names_only_tensors_of_the_contract():
             named.update(k.value for k in node.value.keys if isinstance(k, ast.Constant))
     assert len(named) >= 12, named  # the check sees the client's names
     assert named <= known, named - known
+
+
+class _StubRunner:
+    """What ``LLMService`` needs of an engine runner, without an engine (``engine`` None: the
+    watcher stops at once); ``shutdown`` blocks until ``release`` is set."""
+
+    def __init__(self, model) -> None:
+        import threading
+
+        self.engine_args, self.vocab_size, self.engine = {"model": str(model)}, None, None
+        self.in_shutdown, self.release = threading.Event(), threading.Event()
+
+    def kill_processes(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.in_shutdown.set()
+        self.release.wait(10)
+
+
+def test_an_engine_failure_is_not_reported_once_the_model_stops(tiny_models):
+    """A stop that comes while a failure is being handled: ``on_failure`` (mm_llm's
+    ``unload_model``, which crashed tritonserver 2.51 when called during the model's finalize) is not
+    called once ``shutdown`` began, and ``shutdown`` waits for a call in progress."""
+    import threading
+    import time
+
+    from mmserve.serving.llm import LLMService
+
+    # The stop comes while the failed engine is being shut down: no report.
+    runner = _StubRunner(tiny_models["qwen2_5_omni"])
+    reports: list[str] = []
+    service = LLMService(runner, on_failure=reports.append)
+    failing = threading.Thread(target=service.fail, args=("injected",))
+    failing.start()
+    assert runner.in_shutdown.wait(10)
+    stopping = threading.Thread(target=service.shutdown, kwargs={"timeout": 5})
+    stopping.start()
+    time.sleep(0.2)
+    runner.release.set()
+    failing.join(10)
+    stopping.join(10)
+    assert not failing.is_alive() and not stopping.is_alive()
+    assert reports == []
+
+    # The stop comes while the failure is being reported: the stop waits for the report to end.
+    runner = _StubRunner(tiny_models["qwen2_5_omni"])
+    runner.release.set()
+    reporting, events = threading.Event(), []
+
+    def slow_report(reason: str) -> None:
+        reporting.set()
+        time.sleep(0.5)
+        events.append(f"reported {reason}")
+
+    service = LLMService(runner, on_failure=slow_report)
+    failing = threading.Thread(target=service.fail, args=("injected",))
+    failing.start()
+    assert reporting.wait(10)
+    service.shutdown(timeout=5)
+    events.append("stopped")
+    failing.join(10)
+    assert events == ["reported injected", "stopped"]

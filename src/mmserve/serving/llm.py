@@ -228,7 +228,10 @@ class LLMService:
     Args:
         runner: the engine (``LLMService.start`` creates it from ``model.json``'s arguments).
         health: the watcher's settings.
-        on_failure: called once, from the watcher's thread, after the service failed.
+        on_failure: called once, from the watcher's thread, after the service failed; not once
+            ``shutdown`` began, and ``shutdown`` waits for a call in progress (in ``mm_llm`` it is
+            ``pb_utils.unload_model``: a stub that makes that call while its model is being
+            finalized crashes tritonserver 2.51, measured).
     """
 
     def __init__(self, runner: EngineRunner, *, health: HealthConfig | None = None,
@@ -245,6 +248,7 @@ class LLMService:
         self._idle.set()
         self._failure: str | None = None
         self._stopping = threading.Event()
+        self._reporting = threading.RLock()  # held around on_failure; shutdown waits for it
         self._last_progress = time.monotonic()
         self._outbox = Outbox("mmserve-responses")
         self._watcher = threading.Thread(target=self._watch, name="mmserve-engine-watch", daemon=True)
@@ -446,7 +450,11 @@ class LLMService:
         except Exception:
             logger.exception("shutting down the failed engine")
         if self._on_failure is not None:
-            self._on_failure(reason)
+            with self._reporting:
+                if self._stopping.is_set():  # stopping meanwhile: the model goes anyway
+                    logger.warning("not reporting the engine failure: the model is stopping")
+                else:
+                    self._on_failure(reason)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop: requests still in flight are answered UNAVAILABLE, then the engine stops. Every
@@ -454,6 +462,10 @@ class LLMService:
         with self._lock:
             self._stopping.set()
             in_flight = list(self._in_flight.values())
+        if self._reporting.acquire(timeout=timeout):  # an on_failure call in progress ends first
+            self._reporting.release()
+        else:
+            logger.warning("shutting down while the engine failure is still being reported")
         for entry in in_flight:
             if entry.future is not None:
                 entry.future.cancel()
