@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import json
 import logging
 import threading
@@ -39,6 +40,11 @@ FLAG_INPUTS = wire.names(wire.FLAG_INPUTS)
 
 
 CANCEL_POLL_S = 0.1
+IDLE_COLLECT_S = 1.0
+"""Once no request has been in flight for this long, the watcher collects garbage cycles: Triton
+frees a request's response factory, which holds the model, only when the stub's response sender
+goes, and a sender held in a cycle would otherwise live on in an idle stub (and the model with it:
+Triton could not unload it). ``mmserve.serving.pipeline`` does the same."""
 """How often the watcher asks Triton whether the clients of the requests in flight cancelled them."""
 
 
@@ -249,6 +255,7 @@ class LLMService:
         self._failure: str | None = None
         self._stopping = threading.Event()
         self._reporting = threading.RLock()  # held around on_failure; shutdown waits for it
+        self._collect_at: float | None = None  # see IDLE_COLLECT_S
         self._last_progress = time.monotonic()
         self._outbox = Outbox("mmserve-responses")
         self._watcher = threading.Thread(target=self._watch, name="mmserve-engine-watch", daemon=True)
@@ -324,6 +331,7 @@ class LLMService:
                 del self._by_client_id[client_id]
             if not self._in_flight:
                 self._idle.set()
+                self._collect_at = time.monotonic() + IDLE_COLLECT_S
 
     async def _run(self, request: GenerateRequest, entry: _InFlight, request_id: str) -> None:
         """On the engine's loop: read the engine's outputs, queue the responses (never call Triton here)."""
@@ -403,10 +411,19 @@ class LLMService:
         next_health_check = time.monotonic() + self.health.check_interval_s
         while not self._stopping.wait(CANCEL_POLL_S) and self._failure is None:
             self._check_cancellations()
+            self._collect_when_idle()
             if time.monotonic() >= next_health_check:
                 next_health_check = time.monotonic() + self.health.check_interval_s
                 if not self._check_health():
                     return
+
+    def _collect_when_idle(self) -> None:
+        with self._lock:
+            due = self._collect_at is not None and not self._in_flight and time.monotonic() >= self._collect_at
+            if due:
+                self._collect_at = None
+        if due:
+            gc.collect()
 
     def _check_cancellations(self) -> None:
         """Triton has no callback for a client's cancellation: ask for each request in flight (also

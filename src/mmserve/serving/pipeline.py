@@ -11,6 +11,7 @@ has no ``cancel`` before 2.52), so the pipeline sends ``mm_llm`` a control reque
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -31,6 +32,8 @@ PREPROCESS_INPUTS = wire.names(wire.PREPROCESS_INPUTS)
 LLM_INPUTS = wire.names((wire.TEXT_INPUT, *wire.GENERATION_INPUTS))  # passed on to mm_llm as they came
 OUTPUTS = wire.names(wire.OUTPUTS)
 CANCEL_POLL_S = 0.1
+IDLE_COLLECT_S = 1.0
+"""Once no request has run for this long after some did, the watcher collects garbage cycles."""
 
 
 class _Client:
@@ -77,6 +80,8 @@ class Pipeline:
         self.pb = pb_utils
         self.preprocess, self.llm = preprocess, llm
         self._clients: dict[str, _Client] = {}  # BLS request id -> the client's request
+        self._running = 0  # requests being served
+        self._ended_at: float | None = None  # when the last one ended, if none ran since the last collect
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch_cancellations, name="mm_pipeline-cancel", daemon=True)
@@ -84,11 +89,23 @@ class Pipeline:
 
     def submit(self, request: Any) -> None:
         client = _Client(request.get_response_sender(), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        with self._lock:
+            self._running += 1
         threading.Thread(target=self._serve, args=(request, client), name="mm_pipeline-request", daemon=True).start()
 
     def _serve(self, request: Any, client: _Client) -> None:
-        pb = self.pb
         request_id = uuid.uuid4().hex
+        try:
+            self._serve_one(request, client, request_id)
+        finally:
+            with self._lock:
+                self._clients.pop(request_id, None)
+                self._running -= 1
+                if not self._running:
+                    self._ended_at = time.monotonic()
+
+    def _serve_one(self, request: Any, client: _Client, request_id: str) -> None:
+        pb = self.pb
         try:
             given = {name: pb.get_input_tensor_by_name(request, name) for name in (*PREPROCESS_INPUTS, *LLM_INPUTS)}
             if given["text_input"] is None and given["messages"] is None:  # not every frontend checks inputs
@@ -117,9 +134,6 @@ class Pipeline:
             client.finish()
         except Exception as exc:  # noqa: BLE001 - answered, the detail logged (error_response)
             client.finish(error_response(pb, exc, context=f"mm_pipeline {request_id}"))
-        finally:
-            with self._lock:
-                self._clients.pop(request_id, None)
 
     def _error(self, error: Any, model: str) -> Any:
         """An error of a called model, as the client gets it: the models' own errors carry their
@@ -140,8 +154,22 @@ class Pipeline:
         return triton_error(self.pb, failure)
 
     def _watch_cancellations(self) -> None:
+        """Every ``CANCEL_POLL_S``: carry new cancellations to the engine; once idle, collect cycles.
+
+        Why collect: Triton frees a request's response factory, which holds the model, only when
+        the stub's response sender goes; one kept in a garbage cycle (an exception's traceback that
+        references the request's frame) lives until a full collection, which an idle stub never
+        runs, and then Triton can't unload ``mm_pipeline`` (its stop hung until the exit timeout,
+        seen in CI: no ``finalize``, no request in flight, the model still "live").
+        """
         cancelled: set[str] = set()
         while not self._stopping.wait(CANCEL_POLL_S):
+            with self._lock:
+                idle = self._ended_at is not None and time.monotonic() - self._ended_at >= IDLE_COLLECT_S
+                if idle:
+                    self._ended_at = None
+            if idle:
+                gc.collect()
             with self._lock:
                 clients = list(self._clients.items())
             cancelled &= {request_id for request_id, _ in clients}
