@@ -298,7 +298,7 @@ def test_an_engine_failure_is_not_reported_once_the_model_stops(tiny_models):
     assert events == ["reported injected", "stopped"]
 
 
-def test_the_pipeline_frees_a_request_held_in_a_garbage_cycle():
+def test_the_pipeline_frees_a_request_held_in_a_garbage_cycle(caplog):
     """mm_pipeline's stop hung in CI until Triton's exit timeout: Triton frees a request's response
     factory (which holds the model) only when the stub's response sender goes, and one held in a
     garbage cycle lived on in the idle stub. Here a BLS call fails with an exception that is part of
@@ -314,7 +314,7 @@ def test_the_pipeline_frees_a_request_held_in_a_garbage_cycle():
             super().__init__("preprocess broke")
             self.me = self  # a cycle: only the cyclic collector frees it (and what its traceback holds)
 
-    class Sender:
+    class ResponseSender:  # the name matters: the pipeline counts what it frees by type name
         def __init__(self) -> None:
             self.sent: list[tuple[object, int]] = []
 
@@ -326,9 +326,9 @@ def test_the_pipeline_frees_a_request_held_in_a_garbage_cycle():
 
     class Request:
         def __init__(self) -> None:
-            self.sender, self.inputs = Sender(), {"text_input": object()}
+            self.sender, self.inputs = ResponseSender(), {"text_input": object()}
 
-        def get_response_sender(self) -> Sender:
+        def get_response_sender(self) -> ResponseSender:
             return self.sender
 
     class FakePb:  # the part of triton_python_backend_utils the pipeline uses on this path
@@ -370,6 +370,9 @@ def test_the_pipeline_frees_a_request_held_in_a_garbage_cycle():
         while sender() is not None and time.monotonic() - answered < IDLE_COLLECT_S + 3:
             time.sleep(0.05)
         assert sender() is None, "the request's response sender is still alive (held in a garbage cycle)"
+        while "freed" not in caplog.text and time.monotonic() - answered < IDLE_COLLECT_S + 5:
+            time.sleep(0.05)  # the watcher logs after the collection
+        assert "freed 1 response sender(s) held in garbage cycles" in caplog.text
     finally:
         gc.enable()
         pipeline.shutdown()

@@ -36,6 +36,19 @@ IDLE_COLLECT_S = 1.0
 """Once no request has run for this long after some did, the watcher collects garbage cycles."""
 
 
+def collect_garbage(kind: str) -> int:
+    """Collect garbage cycles; how many of the objects freed have ``kind`` in their type's name."""
+    gc.set_debug(gc.DEBUG_SAVEALL)  # unreachable objects go to gc.garbage: counted, then freed
+    try:
+        gc.collect()
+        found = sum(kind in type(obj).__name__ for obj in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    gc.collect()
+    return found
+
+
 class _Client:
     """The response sender of one client request, safe to poll from another thread.
 
@@ -168,8 +181,9 @@ class Pipeline:
                 idle = self._ended_at is not None and time.monotonic() - self._ended_at >= IDLE_COLLECT_S
                 if idle:
                     self._ended_at = None
-            if idle:
-                gc.collect()
+            if idle and (freed := collect_garbage("ResponseSender")):
+                logger.warning("freed %d response sender(s) held in garbage cycles (each would have kept "
+                               "mm_pipeline from unloading)", freed)
             with self._lock:
                 clients = list(self._clients.items())
             cancelled &= {request_id for request_id, _ in clients}
@@ -190,7 +204,7 @@ class Pipeline:
         try:
             for _ in control.exec(decoupled=True):
                 pass
-        except Exception:  # noqa: BLE001 - the request then runs to its end; nothing else breaks
+        except Exception:  # the request then runs to its end; nothing else breaks
             logger.exception("cancelling %s on %s", request_id, self.llm)
         logger.info("cancelled %s on %s in %.3f s", request_id, self.llm, time.monotonic() - started)
 
