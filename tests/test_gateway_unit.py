@@ -232,6 +232,40 @@ def test_delta_from_an_infer_result():
     assert delta == Delta("Hi", [1, 2], None, 9, 2, [{"1": {"logprob": -1.0, "rank": 1, "decoded_token": "H"}}])
 
 
+def _grpc_result(outputs: dict[str, tuple[str, np.ndarray]]) -> Any:
+    """A tritonclient ``InferResult`` around the gRPC message Triton would send (raw outputs)."""
+    from tritonclient.grpc import InferResult, service_pb2
+    from tritonclient.utils import serialize_byte_tensor
+
+    response = service_pb2.ModelInferResponse(model_name="mm_pipeline", id="r1")
+    for name, (datatype, array) in outputs.items():
+        response.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
+        response.raw_output_contents.append(
+            serialize_byte_tensor(array).item() if datatype == "BYTES" and array.size else array.tobytes())
+    return InferResult(response)
+
+
+@pytest.mark.parametrize("outputs", [
+    {"text_output": ("BYTES", np.array(["é x".encode()], dtype=object)),
+     "output_ids": ("INT64", np.array([5, 6, 7], dtype=np.int64)),
+     "finish_reason": ("BYTES", np.array([b"length"], dtype=object)),
+     "logprobs": ("BYTES", np.array([b'[{"5": {"logprob": -0.5, "rank": 1, "decoded_token": "x"}}]'], dtype=object)),
+     "num_input_tokens": ("UINT32", np.array([41], dtype=np.uint32)),
+     "num_output_tokens": ("UINT32", np.array([3], dtype=np.uint32))},
+    {"text_output": ("BYTES", np.array([b""], dtype=object)), "output_ids": ("INT64", np.array([9], dtype=np.int64)),
+     "finish_reason": ("BYTES", np.array([b""], dtype=object)),
+     "num_output_tokens": ("UINT32", np.array([1], dtype=np.uint32))},
+    {"text_output": ("BYTES", np.array([], dtype=object)), "output_ids": ("INT64", np.array([], dtype=np.int64))},
+])
+def test_delta_from_a_grpc_response_reads_what_tritonclient_decodes(outputs):
+    """The one-pass reading of the gRPC message gives what tritonclient's ``as_numpy`` decoding
+    gives (the reference), for a full response, a token with no text yet, and an empty one."""
+    from mmserve.gateway.triton import _delta_via_as_numpy
+
+    result = _grpc_result(outputs)
+    assert delta_from(result) == _delta_via_as_numpy(result)
+
+
 def test_a_silent_triton_stream_times_out_and_is_cancelled():
     """A Triton that accepts the stream, answers once, then hangs (a stand-in gRPC server on a real
     socket: a hung tritonserver can't be made to order): the backend raises a 504 after its

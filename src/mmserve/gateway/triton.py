@@ -44,6 +44,44 @@ class Delta:
     logprobs: list[dict[str, Any]] | None
 
 
+_NUMERIC = {"INT64": np.int64, "INT32": np.int32, "UINT32": np.uint32, "UINT64": np.uint64, "FP32": np.float32}
+
+
+def delta_from(result: Any) -> Delta:
+    """A ``Delta`` from a tritonclient ``InferResult``: read from its gRPC message in one pass (the
+    gateway does this for every token; ``as_numpy`` per output costs several times more), or
+    through ``as_numpy`` when the outputs are not raw (or ``result`` has only ``as_numpy``)."""
+    response = result.get_response() if hasattr(result, "get_response") else None
+    if response is None or len(response.raw_output_contents) != len(response.outputs):
+        return _delta_via_as_numpy(result)
+    text = finish = logprobs = None
+    ids: list[int] = []
+    input_tokens: int | None = None
+    output_tokens = 0
+    for output, data in zip(response.outputs, response.raw_output_contents, strict=True):
+        name = output.name
+        if output.datatype == "BYTES":
+            if len(data) < 4:
+                continue
+            first = data[4:4 + int.from_bytes(data[:4], "little")].decode("utf-8")  # Triton's BYTES: length, bytes
+            if name == "text_output":
+                text = first
+            elif name == "finish_reason":
+                finish = first
+            elif name == "logprobs":
+                logprobs = first
+        elif output.datatype in _NUMERIC and data:
+            values = np.frombuffer(data, dtype=_NUMERIC[output.datatype])
+            if name == "output_ids":
+                ids = values.tolist()
+            elif name == "num_input_tokens":
+                input_tokens = int(values[0])
+            elif name == "num_output_tokens":
+                output_tokens = int(values[0])
+    return Delta(text=text or "", token_ids=ids, finish_reason=finish or None, num_input_tokens=input_tokens,
+                 num_output_tokens=output_tokens, logprobs=None if logprobs is None else json.loads(logprobs))
+
+
 def _first(result: Any, name: str) -> Any:
     value = result.as_numpy(name)
     if value is None or value.size == 0:
@@ -52,8 +90,7 @@ def _first(result: Any, name: str) -> Any:
     return item.decode("utf-8") if isinstance(item, bytes) else item.item()
 
 
-def delta_from(result: Any) -> Delta:
-    """A ``Delta`` from a tritonclient ``InferResult`` (anything with ``as_numpy(name)``)."""
+def _delta_via_as_numpy(result: Any) -> Delta:
     ids = result.as_numpy("output_ids")
     logprobs = _first(result, "logprobs")
     output_tokens = _first(result, "num_output_tokens")
