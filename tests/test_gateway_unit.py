@@ -315,6 +315,17 @@ def test_a_silent_triton_stream_times_out_and_is_cancelled():
     assert seen, "the server never saw the call cancelled"
 
 
+@pytest.mark.parametrize("usage", [False, True])
+def test_a_streamed_tokens_event_is_the_chunk_serialized(usage):
+    """The per-token event (its JSON frame made once) is byte for byte the chunk serialized whole."""
+    from mmserve.gateway.app import _Answer, _sse
+
+    fields = {"stream": True, "stream_options": {"include_usage": True}} if usage else {"stream": True}
+    answer = _Answer(protocol.parse_request(body(user("Hi"), **fields)), "chatcmpl-1", "mm")
+    for text in (" hello", "", 'quote " and \\ backslash', "line\nbreak", "é ü 漢字 🙂", "{\"content\": \"\"}"):
+        assert answer.content_event(text) == _sse(answer.chunk({"content": text})), text
+
+
 # -- the app with a fake Triton ------------------------------------------------------------------
 class FakeBackend:
     """Answers every request with ``deltas`` (or raises ``error`` at once); records what it got."""

@@ -209,6 +209,7 @@ class _Answer:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.finish_reason: str | None = None
+        self._content_frame: tuple[str, str] | None = None
 
     def add(self, delta: Delta) -> list[dict[str, Any]] | None:
         """Take one response; its logprobs entries (OpenAI's) when asked for."""
@@ -258,6 +259,16 @@ class _Answer:
             chunk["usage"] = None
         return chunk
 
+    def content_event(self, text: str) -> bytes:
+        """``_sse(self.chunk({"content": text}))``, the event of every streamed token, with the JSON
+        around the text serialized once per completion instead of once per token."""
+        if self._content_frame is None:
+            marker = json.dumps({"content": ""}, ensure_ascii=False)
+            head, tail = json.dumps(self.chunk({"content": ""}), ensure_ascii=False).split(marker)
+            self._content_frame = (f"data: {head}", f"{tail}\n\n")
+        head, tail = self._content_frame
+        return f"{head}{json.dumps({'content': text}, ensure_ascii=False)}{tail}".encode()
+
     @property
     def include_usage(self) -> bool:
         return bool(self.chat.stream_options and self.chat.stream_options.include_usage)
@@ -275,7 +286,9 @@ async def _events(answer: _Answer, first: Delta, deltas: AsyncIterator[Delta]) -
         delta: Delta | None = first
         while delta is not None:
             entries = answer.add(delta)
-            if delta.text or entries:
+            if entries is None and delta.text:
+                yield answer.content_event(delta.text)
+            elif delta.text or entries:
                 yield _sse(answer.chunk({"content": delta.text}, logprobs=entries))
             if answer.finish_reason is not None:
                 yield _sse(answer.chunk({}, finish_reason=answer.finish_reason))
