@@ -172,8 +172,8 @@ class Pipeline:
         Why collect: Triton frees a request's response factory, which holds the model, only when
         the stub's response sender goes; one kept in a garbage cycle (an exception's traceback that
         references the request's frame) lives until a full collection, which an idle stub never
-        runs, and then Triton can't unload ``mm_pipeline`` (its stop hung until the exit timeout,
-        seen in CI: no ``finalize``, no request in flight, the model still "live").
+        runs, and meanwhile Triton can't unload ``mm_pipeline``. (A stop that hung in CI had the
+        model held by something: no ``finalize``, no request in flight; docs/RELIABILITY.md.)
         """
         cancelled: set[str] = set()
         while not self._stopping.wait(CANCEL_POLL_S):
