@@ -307,7 +307,8 @@ def test_the_pipeline_frees_a_request_held_in_a_garbage_cycle(caplog):
     import weakref
 
     from mmserve.errors import InputError
-    from mmserve.serving.pipeline import IDLE_COLLECT_S, Pipeline
+    from mmserve.serving.embedded import IDLE_COLLECT_S
+    from mmserve.serving.pipeline import Pipeline
 
     class Cyclic(InputError):  # a client error: answered without logging (a log record would hold it)
         def __init__(self) -> None:
@@ -372,7 +373,7 @@ def test_the_pipeline_frees_a_request_held_in_a_garbage_cycle(caplog):
         assert sender() is None, "the request's response sender is still alive (held in a garbage cycle)"
         while "freed" not in caplog.text and time.monotonic() - answered < IDLE_COLLECT_S + 5:
             time.sleep(0.05)  # the watcher logs after the collection
-        assert "freed 1 response sender(s) held in garbage cycles" in caplog.text
+        assert "mm_pipeline: freed 1 response sender(s) held in garbage cycles" in caplog.text
     finally:
         gc.enable()
         pipeline.shutdown()

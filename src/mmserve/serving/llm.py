@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import json
 import logging
 import threading
@@ -31,6 +30,7 @@ from mmserve.errors import InputError, ServiceError, UnavailableError, public_er
 from mmserve.families import FamilySpec
 from mmserve.inputs import family_of_checkpoint, processed_prompt, read_engine_config
 from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
+from mmserve.serving.embedded import IDLE_COLLECT_S, collect_response_senders
 from mmserve.serving.outbox import Outbox
 from mmserve.serving.sampling import parse_sampling_parameters
 
@@ -40,11 +40,6 @@ FLAG_INPUTS = wire.names(wire.FLAG_INPUTS)
 
 
 CANCEL_POLL_S = 0.1
-IDLE_COLLECT_S = 1.0
-"""Once no request has been in flight for this long, the watcher collects garbage cycles: Triton
-frees a request's response factory, which holds the model, only when the stub's response sender
-goes, and a sender held in a cycle would otherwise live on in an idle stub (and the model with it:
-Triton could not unload it). ``mmserve.serving.pipeline`` does the same."""
 """How often the watcher asks Triton whether the clients of the requests in flight cancelled them."""
 
 
@@ -255,7 +250,7 @@ class LLMService:
         self._failure: str | None = None
         self._stopping = threading.Event()
         self._reporting = threading.RLock()  # held around on_failure; shutdown waits for it
-        self._collect_at: float | None = None  # see IDLE_COLLECT_S
+        self._collect_at: float | None = None  # when idle: collect_response_senders
         self._last_progress = time.monotonic()
         self._outbox = Outbox("mmserve-responses")
         self._watcher = threading.Thread(target=self._watch, name="mmserve-engine-watch", daemon=True)
@@ -423,7 +418,7 @@ class LLMService:
             if due:
                 self._collect_at = None
         if due:
-            gc.collect()
+            collect_response_senders("mm_llm")
 
     def _check_cancellations(self) -> None:
         """Triton has no callback for a client's cancellation: ask for each request in flight (also

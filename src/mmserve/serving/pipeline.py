@@ -11,7 +11,6 @@ has no ``cancel`` before 2.52), so the pipeline sends ``mm_llm`` a control reque
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -23,6 +22,7 @@ import numpy as np
 from mmserve import wire
 from mmserve.errors import InputError, InternalError, ServiceError, UnavailableError
 from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
+from mmserve.serving.embedded import IDLE_COLLECT_S, collect_response_senders
 from mmserve.serving.triton import error_response, triton_error
 from mmserve.wire import TAG, TRITON_UNAVAILABLE
 
@@ -32,21 +32,6 @@ PREPROCESS_INPUTS = wire.names(wire.PREPROCESS_INPUTS)
 LLM_INPUTS = wire.names((wire.TEXT_INPUT, *wire.GENERATION_INPUTS))  # passed on to mm_llm as they came
 OUTPUTS = wire.names(wire.OUTPUTS)
 CANCEL_POLL_S = 0.1
-IDLE_COLLECT_S = 1.0
-"""Once no request has run for this long after some did, the watcher collects garbage cycles."""
-
-
-def collect_garbage(kind: str) -> int:
-    """Collect garbage cycles; how many of the objects freed have ``kind`` in their type's name."""
-    gc.set_debug(gc.DEBUG_SAVEALL)  # unreachable objects go to gc.garbage: counted, then freed
-    try:
-        gc.collect()
-        found = sum(kind in type(obj).__name__ for obj in gc.garbage)
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-    gc.collect()
-    return found
 
 
 class _Client:
@@ -169,11 +154,8 @@ class Pipeline:
     def _watch_cancellations(self) -> None:
         """Every ``CANCEL_POLL_S``: carry new cancellations to the engine; once idle, collect cycles.
 
-        Why collect: Triton frees a request's response factory, which holds the model, only when
-        the stub's response sender goes; one kept in a garbage cycle (an exception's traceback that
-        references the request's frame) lives until a full collection, which an idle stub never
-        runs, and meanwhile Triton can't unload ``mm_pipeline``. (A stop that hung in CI had the
-        model held by something: no ``finalize``, no request in flight; docs/RELIABILITY.md.)
+        Why collect: see ``collect_response_senders`` (a stop that hung in CI had the model held
+        by something: no ``finalize``, no request in flight; docs/RELIABILITY.md).
         """
         cancelled: set[str] = set()
         while not self._stopping.wait(CANCEL_POLL_S):
@@ -181,9 +163,8 @@ class Pipeline:
                 idle = self._ended_at is not None and time.monotonic() - self._ended_at >= IDLE_COLLECT_S
                 if idle:
                     self._ended_at = None
-            if idle and (freed := collect_garbage("ResponseSender")):
-                logger.warning("freed %d response sender(s) held in garbage cycles (each would have kept "
-                               "mm_pipeline from unloading)", freed)
+            if idle:
+                collect_response_senders("mm_pipeline")
             with self._lock:
                 clients = list(self._clients.items())
             cancelled &= {request_id for request_id, _ in clients}
