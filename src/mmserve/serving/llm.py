@@ -451,15 +451,10 @@ class LLMService:
             self._failure = reason
             in_flight = list(self._in_flight.values())
         logger.error("engine failed: %s; failing %d request(s) in flight", reason, len(in_flight))
-        # The requests in flight first, then the engine's processes (a wedged engine may still hold
-        # memory, or resume). In this order each request ends as a cancelled one (_run answers it
-        # UNAVAILABLE) before the kill can reach it as vLLM's EngineDeadError: every full-suite CI run
-        # whose stop hung (mm_pipeline never unloaded; docs/RELIABILITY.md) had a request in flight
-        # end the other way (4 of 4; 2 of the 5 clean runs did too).
+        self.runner.kill_processes()  # first: a wedged engine may still hold memory (weights) or resume
         for entry in in_flight:
             if entry.future is not None:
-                entry.future.cancel()
-        self.runner.kill_processes()
+                entry.future.cancel()  # _run answers UNAVAILABLE
         self._idle.wait(10)
         self._outbox.flush(10)
         try:
