@@ -60,7 +60,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--pool", type=int, default=20, help="distinct good requests")
     parser.add_argument("--max-tokens", type=int, default=12)
-    parser.add_argument("--entry", default="mm_pipeline", choices=["mm_pipeline", "mm_ensemble"])
+    parser.add_argument("--entry", default="mm_ensemble")
     parser.add_argument("--url", help="gRPC host:port of a running server (tiny default model)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Command-line client for the multimodal model served by Triton (mm_pipeline by default: Ctrl-C
-stops the generation on the server too).
+"""Command-line client for the multimodal model served by Triton (mm_ensemble; Ctrl-C stops the
+generation on the server too).
 
   python client/mm_client.py "Describe the picture." --image cat.png --audio hello.wav
   python client/mm_client.py "Hi" --protocol http --url 127.0.0.1:8000 --no-stream
@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                         help="send the prompt as is (it must contain the media placeholders itself)")
-    parser.add_argument("--entry", default="mm_pipeline", choices=["mm_pipeline", "mm_ensemble"],
-                        help="the model that takes raw requests (default mm_pipeline)")
+    parser.add_argument("--entry", default="mm_ensemble",
+                        help="the model that takes raw requests (default %(default)s)")
     parser.add_argument("--direct", action="store_true", help="preprocess locally and call mm_llm (gRPC)")
     parser.add_argument("--model", help="checkpoint directory for --direct")
     args = parser.parse_args(argv)

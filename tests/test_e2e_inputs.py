@@ -1,4 +1,4 @@
-"""Bad and edge inputs against the live server: every public entry (mm_pipeline, mm_ensemble), the
+"""Bad and edge inputs against the live server: the public entry (mm_ensemble), the
 models behind them (preprocess, mm_llm), gRPC and HTTP.
 
 Each case of ``MATRIX`` asserts the error class the server tagged (``[INVALID_ARG] ...``), a precise
@@ -84,7 +84,7 @@ GOOD_AUDIO = wav(tone(1.0), subtype="PCM_16")
 # -- the matrix ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Raw:
-    """A raw request, as sent to mm_pipeline or mm_ensemble (and the fields of preprocess)."""
+    """A raw request, as sent to mm_ensemble (and the fields of preprocess)."""
 
     text: str | bytes | None = "Describe it."
     images: tuple[bytes | str, ...] = ()
@@ -306,7 +306,7 @@ def _assert_still_serving(server, references, entry: str, protocol: str) -> None
 
         client = MMClient(server.http, protocol="http", entry=entry)
     else:
-        client = utils.client(server, entry=entry if entry in utils.ENTRIES else "mm_pipeline")
+        client = utils.client(server, entry=entry if entry in utils.ENTRIES else "mm_ensemble")
     assert client.generate(case.text, **sampling()).output_ids == case.ids
 
 
@@ -355,7 +355,7 @@ def test_bad_tensors(server, references, processed, case: BadTensors):
         with pytest.raises(ClientError) as error:
             send_tensors(server, "mm_llm", case.change(processed))
     _assert_error(str(error.value), case.code, case.message)
-    _assert_still_serving(server, references, "mm_pipeline", "grpc")
+    _assert_still_serving(server, references, "mm_ensemble", "grpc")
 
 
 def test_processed_request_to_mm_llm_is_served(server, processed):

@@ -115,21 +115,7 @@ def test_clean_stop_after_faults(own_server):
     assert took < 15, (code, took, triton.log_tail())
     assert not [pid for pid in group if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     assert not [path for path in shm if path.exists()]
-    if code != 0 and _mm_pipeline_held_at_stop(triton.log_path):
-        pytest.xfail("known, open (docs/RELIABILITY.md): Triton still held mm_pipeline at the stop (no "
-                     "finalize, no request in flight), exit timeout, exit code 1; nothing left behind")
     assert code == 0, (code, took, triton.log_tail())
-
-
-def _mm_pipeline_held_at_stop(log_path) -> bool:
-    """The server log shows the known stop hang: after the stop signal every model unloaded but
-    mm_pipeline, and Triton gave up at its exit timeout."""
-    if log_path is None:
-        return False
-    stop = log_path.read_text(errors="replace").rpartition("Signal (2) received.")[2]
-    unloaded = set(re.findall(r"successfully unloaded '([^']+)'", stop))
-    return ("Exit timeout expired" in stop and "mm_pipeline" not in unloaded
-            and {"mm_llm", "preprocess"} <= unloaded)
 
 
 @pytest.mark.parametrize("victim", ["tritonserver", "mm_llm stub"])

@@ -34,7 +34,7 @@ def audio(data: bytes = WAV, fmt: str = "wav") -> dict[str, Any]:
 
 
 def body(*messages: dict[str, Any], **fields: Any) -> dict[str, Any]:
-    return {"model": "mm_pipeline", "messages": list(messages), **fields}
+    return {"model": "mm_ensemble", "messages": list(messages), **fields}
 
 
 def user(*parts: Any) -> dict[str, Any]:
@@ -237,7 +237,7 @@ def _grpc_result(outputs: dict[str, tuple[str, np.ndarray]]) -> Any:
     from tritonclient.grpc import InferResult, service_pb2
     from tritonclient.utils import serialize_byte_tensor
 
-    response = service_pb2.ModelInferResponse(model_name="mm_pipeline", id="r1")
+    response = service_pb2.ModelInferResponse(model_name="mm_ensemble", id="r1")
     for name, (datatype, array) in outputs.items():
         response.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
         response.raw_output_contents.append(
@@ -293,7 +293,7 @@ def test_a_silent_triton_stream_times_out_and_is_cancelled():
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Silent(), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        backend = TritonBackend(f"127.0.0.1:{port}", "mm_pipeline", response_timeout_s=0.5)
+        backend = TritonBackend(f"127.0.0.1:{port}", "mm_ensemble", response_timeout_s=0.5)
         await backend.start()
         got: list[Delta] = []
         started = asyncio.get_running_loop().time()
@@ -384,13 +384,13 @@ def sdk(client):
 def test_sdk_non_streamed_and_streamed(gateway):
     backend = FakeBackend([Delta("Hello!", [1, 2, 3], "length", 20, 3, None)])
     client = sdk(gateway(backend))
-    reply = client.chat.completions.create(model="mm_pipeline", messages=[user("Hi")], max_tokens=3)
+    reply = client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")], max_tokens=3)
     assert reply.choices[0].message.content == "Hello!" and reply.choices[0].finish_reason == "length"
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (20, 3, 23)
     assert not backend.requests[0]["stream"][0]
 
     backend.deltas = STREAM
-    chunks = list(client.chat.completions.create(model="mm_pipeline", messages=[user("Hi")], stream=True,
+    chunks = list(client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")], stream=True,
                                                  stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello!"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -405,14 +405,14 @@ def test_sdk_sees_openai_errors_with_their_status(gateway):
     client = sdk(gateway(backend))
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model="mm_pipeline", messages=[user("Hi")], stream=stream)
+            client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")], stream=stream)
         assert info.value.status_code == 400 and "cannot identify" in info.value.message
     backend.error = errors.from_grpc("UNAVAILABLE", "connection refused")
     with pytest.raises(openai.InternalServerError) as info:
-        client.chat.completions.create(model="mm_pipeline", messages=[user("Hi")])
+        client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")])
     assert info.value.status_code == 503
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="mm_pipeline", messages=[user("Hi")], n=2)
+        client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")], n=2)
     assert info.value.param == "n" and info.value.code == "unsupported"
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-4o", messages=[user("Hi")])
@@ -428,7 +428,7 @@ def test_error_after_the_first_token_is_an_error_event(gateway):
             raise errors.from_triton("[UNAVAILABLE] the engine died")
 
     client = sdk(gateway(Failing()))
-    stream = client.chat.completions.create(model="mm_pipeline", messages=[user("Hi")], stream=True)
+    stream = client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")], stream=True)
     with pytest.raises(openai.APIError, match="the engine died"):
         list(stream)
 
@@ -442,7 +442,7 @@ def test_http_answers(gateway):
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_json"
     reply = client.get("/v1/nothing")
     assert reply.status_code == 404 and set(reply.json()["error"]) == {"message", "type", "param", "code"}
-    down = gateway(FakeBackend(ready=errors.unavailable("the model 'mm_pipeline' is not ready on Triton")))
+    down = gateway(FakeBackend(ready=errors.unavailable("the model 'mm_ensemble' is not ready on Triton")))
     reply = down.get("/health")
     assert reply.status_code == 503 and reply.json()["error"]["type"] == "service_unavailable"
     small = gateway(FakeBackend(), max_request_bytes=100)

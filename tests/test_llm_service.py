@@ -27,6 +27,7 @@ class RecordingSink:
                  send_delay_s: float = 0.0):
         self.send_delay_s = send_delay_s  # a slow Triton: responses queue up behind each send
         self.responses: list[dict[str, np.ndarray]] = []
+        self.sent_at: list[float] = []  # time.monotonic() of each response
         self.errors: list[tuple[str, bool]] = []
         self.closed_empty = False
         self.closed = threading.Event()
@@ -42,6 +43,7 @@ class RecordingSink:
         time.sleep(self.send_delay_s)
         assert not self.closed.is_set(), "response after the final one"
         self.responses.append(dict(outputs))
+        self.sent_at.append(time.monotonic())
         if final:
             self.closed.set()
 
@@ -90,14 +92,15 @@ def service(tiny_models):
         yield LLMService(runner)
 
 
-def _request(service, request, *, stream: bool, max_tokens: int, ignore_eos: bool = False, **flags):
+def _request(service, request, *, stream: bool, max_tokens: int, ignore_eos: bool = False,
+             sampling: dict | None = None, **flags):
     from mmserve.serving.llm import parse_request
 
     tensors = {name: np.asarray(value) for name, value in request.hf_inputs.items()}
     tensors["input_ids"] = tensors["input_ids"][0]
     tensors["stream"] = np.array([stream])
-    tensors["sampling_parameters"] = np.array(
-        [json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos}).encode()], dtype=object)
+    params = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos, **(sampling or {})}
+    tensors["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=object)
     for name, value in flags.items():
         tensors[name] = np.array([value])
     return parse_request(service.family, tensors.get)
@@ -111,7 +114,7 @@ def _run(service, parsed, sink, request_id):
 def test_streamed_deltas_are_the_reference_tokens(service, omni_workload):
     request, reference = next((r, t) for r, t in omni_workload if r.name == "image_audio#2")
     sink = RecordingSink()
-    _run(service, _request(service, request, stream=True, max_tokens=len(reference),
+    _run(service, _request(service, request, stream=True, max_tokens=len(reference), sampling={"stream_flush_ms": 0},
                            return_finish_reason=True, return_num_output_tokens=True), sink, "stream-1")
     assert sink.output_ids() == reference
     assert len(sink.responses) > 1 and not sink.errors
@@ -128,6 +131,7 @@ def test_deltas_queued_behind_a_slow_sender_go_out_merged(service, omni_workload
     fast, slow = RecordingSink(), RecordingSink(send_delay_s=0.05)
     for sink, request_id in ((fast, "merge-fast"), (slow, "merge-slow")):
         _run(service, _request(service, request, stream=True, max_tokens=len(reference),
+                               sampling={"stream_flush_ms": 0},
                                return_num_output_tokens=True, return_finish_reason=True), sink, request_id)
     assert fast.output_ids() == slow.output_ids() == reference
     assert len(slow.responses) < len(fast.responses)
@@ -136,6 +140,28 @@ def test_deltas_queued_behind_a_slow_sender_go_out_merged(service, omni_workload
         assert sink.responses[-1]["finish_reason"][0] in (b"length", b"stop")
     text = [b"".join(r["text_output"][0] for r in sink.responses) for sink in (fast, slow)]
     assert text[0] == text[1] and text[0]
+
+
+@pytest.mark.parametrize("flush_ms", [30, 120])
+def test_a_stream_gets_at_most_one_response_per_flush_interval(service, omni_workload, flush_ms):
+    """stream_flush_ms: the first response at once, then at least flush_ms between two responses
+    (the last one excepted: it goes at once); the same tokens, text and counts as one response per
+    engine output."""
+    request, reference = next((r, t) for r, t in omni_workload if r.name == "image_audio#2")
+    tokens = 4 * len(reference)
+    every, held = RecordingSink(), RecordingSink()
+    for sink, flush, request_id in ((every, 0, "flush-0"), (held, flush_ms, f"flush-{flush_ms}")):
+        _run(service, _request(service, request, stream=True, max_tokens=tokens, ignore_eos=True,
+                               sampling={"stream_flush_ms": flush}, return_num_output_tokens=True), sink, request_id)
+    assert every.output_ids() == held.output_ids() and every.output_ids()[:len(reference)] == reference
+    assert len(every.responses) == tokens  # one per token when not held
+    text = [b"".join(r["text_output"][0] for r in sink.responses) for sink in (every, held)]
+    assert text[0] == text[1]
+    assert sum(int(r["num_output_tokens"][0]) for r in held.responses) == tokens
+    gaps = np.diff(held.sent_at[:-1])  # between responses before the last
+    assert len(held.responses) >= 2 and (gaps >= flush_ms / 1000 - 0.002).all(), gaps
+    span = held.sent_at[-1] - held.sent_at[0]
+    assert len(held.responses) <= span / (flush_ms / 1000) + 2
 
 
 @pytest.mark.parametrize("stream", [True, False])

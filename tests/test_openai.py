@@ -2,8 +2,8 @@
 with the official ``openai`` SDK as the client.
 
 Greedy outputs equal the Triton path: the offline-vLLM references of the e2e workload (the same media
-and prompts as test_e2e_server.py) and ``mmserve.client`` through ``mm_pipeline``; a multi-turn
-conversation (an image in an earlier turn) equals ``mm_pipeline`` given the prompt the model's own
+and prompts as test_e2e_server.py) and ``mmserve.client`` through ``mm_ensemble``; a multi-turn
+conversation (an image in an earlier turn) equals ``mm_ensemble`` given the prompt the model's own
 chat template renders of it. Streaming, usage, logprobs, stop strings, errors (400 for bad input,
 503 when Triton is unreachable) and a client's disconnect (the engine request is aborted).
 Fast tests of the same code without a server: test_gateway_unit.py.
@@ -102,7 +102,7 @@ def audio_part(data: bytes, fmt: str = "wav") -> dict:
 
 def user_turn(case) -> dict:
     """The case's request as one user message: its images, then its clips, then its text (the order
-    of mm_pipeline's ``text_input`` template and of the references)."""
+    of mm_ensemble's ``text_input`` template and of the references)."""
     return {"role": "user", "content": [*map(image_part, case.images), *map(audio_part, case.audios),
                                         {"type": "text", "text": case.text}]}
 
@@ -111,7 +111,7 @@ def user_turn(case) -> dict:
 @pytest.mark.parametrize("case_name", ["text_only#0", "image#0", "audio#0", "image_audio#1"])
 def test_greedy_output_equals_the_triton_path(server, references, sdk, case_name):
     case = references[case_name]
-    reply = sdk.chat.completions.create(model="mm_pipeline", messages=[user_turn(case)], **GREEDY)
+    reply = sdk.chat.completions.create(model="mm_ensemble", messages=[user_turn(case)], **GREEDY)
     choice = reply.choices[0]
     assert choice.message.content == case.output
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
@@ -123,7 +123,7 @@ def test_greedy_output_equals_the_triton_path(server, references, sdk, case_name
 
 def test_multi_turn_conversation_with_an_image_in_an_earlier_turn(server, references, tiny_models, sdk):
     """The media of every turn in order: the model sees the first turn's image and the last turn's
-    clip; the reference is mm_pipeline on the prompt the model's chat template renders."""
+    clip; the reference is mm_ensemble on the prompt the model's chat template renders."""
     from mmserve_dev.hf_reference import load_processor
 
     image, clip = references["image#2"].images[0], references["audio#3"].audios[0]
@@ -134,7 +134,7 @@ def test_multi_turn_conversation_with_an_image_in_an_earlier_turn(server, refere
         {"role": "assistant", "content": "A small picture."},
         {"role": "user", "content": [audio_part(clip), {"type": "text", "text": "And this sound?"}]},
     ]
-    reply = sdk.chat.completions.create(model="mm_pipeline", messages=messages, **GREEDY)
+    reply = sdk.chat.completions.create(model="mm_ensemble", messages=messages, **GREEDY)
 
     hf_messages = [
         {"role": "system", "content": "You are a careful assistant."},
@@ -149,14 +149,14 @@ def test_multi_turn_conversation_with_an_image_in_an_earlier_turn(server, refere
     assert reply.choices[0].message.content == triton.text
     assert reply.usage.prompt_tokens == triton.num_input_tokens
     # ... and the earlier turns count: the last turn alone gives another prompt
-    alone = sdk.chat.completions.create(model="mm_pipeline", messages=messages[-1:], **GREEDY)
+    alone = sdk.chat.completions.create(model="mm_ensemble", messages=messages[-1:], **GREEDY)
     assert alone.usage.prompt_tokens < reply.usage.prompt_tokens
 
 
 def test_stream_chunks_concatenate_to_the_full_text(references, sdk):
     case = references["image_audio#2"]
-    full = sdk.chat.completions.create(model="mm_pipeline", messages=[user_turn(case)], **GREEDY)
-    chunks = list(sdk.chat.completions.create(model="mm_pipeline", messages=[user_turn(case)], stream=True,
+    full = sdk.chat.completions.create(model="mm_ensemble", messages=[user_turn(case)], **GREEDY)
+    chunks = list(sdk.chat.completions.create(model="mm_ensemble", messages=[user_turn(case)], stream=True,
                                               stream_options={"include_usage": True}, **GREEDY))
     deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(deltas) > 1
@@ -169,7 +169,7 @@ def test_stream_chunks_concatenate_to_the_full_text(references, sdk):
 
 def test_logprobs_stop_and_seed(references, sdk):
     case = references["text_only#1"]
-    reply = sdk.chat.completions.create(model="mm_pipeline", messages=[user_turn(case)], logprobs=True,
+    reply = sdk.chat.completions.create(model="mm_ensemble", messages=[user_turn(case)], logprobs=True,
                                         top_logprobs=2, **GREEDY)
     content = reply.choices[0].logprobs.content
     assert len(content) == MAX_TOKENS
@@ -180,18 +180,18 @@ def test_logprobs_stop_and_seed(references, sdk):
 
     text = case.output  # stop at a string of the greedy output: the text before it, finish "stop"
     at = next(k for k in range(2, len(text) - 2) if text.find(text[k:k + 2]) == k and text[k:k + 2].strip())
-    stopped = sdk.chat.completions.create(model="mm_pipeline", messages=[user_turn(case)], stop=[text[at:at + 2]],
+    stopped = sdk.chat.completions.create(model="mm_ensemble", messages=[user_turn(case)], stop=[text[at:at + 2]],
                                           **GREEDY)
     assert stopped.choices[0].message.content == text[:at] and stopped.choices[0].finish_reason == "stop"
 
-    sampled = [sdk.chat.completions.create(model="mm_pipeline", messages=[user_turn(case)], temperature=1.0,
+    sampled = [sdk.chat.completions.create(model="mm_ensemble", messages=[user_turn(case)], temperature=1.0,
                                            top_p=0.9, seed=7, max_tokens=MAX_TOKENS).choices[0].message.content
                for _ in range(2)]
     assert sampled[0] == sampled[1]
 
 
 def test_models_and_health(gateway, sdk):
-    assert [model.id for model in sdk.models.list()] == ["mm_pipeline"]
+    assert [model.id for model in sdk.models.list()] == ["mm_ensemble"]
     status, body = _get(f"{gateway.url}/health")
     assert status == 200 and body["status"] == "ok"
 
@@ -224,7 +224,7 @@ def test_bad_inputs_give_openai_shaped_400s(gateway, references, stream):
 
     for name, request in _bad_requests(references).items():
         reply = requests.post(f"{gateway.url}/v1/chat/completions", timeout=120,
-                              json={"model": "mm_pipeline", "max_tokens": 4, "stream": stream, **request})
+                              json={"model": "mm_ensemble", "max_tokens": 4, "stream": stream, **request})
         assert reply.status_code == 400, (name, reply.status_code, reply.text)
         error = reply.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
@@ -236,7 +236,7 @@ def test_the_sdk_raises_bad_request(sdk):
     import openai
 
     with pytest.raises(openai.BadRequestError) as info:
-        sdk.chat.completions.create(model="mm_pipeline", n=2, messages=[{"role": "user", "content": "Hi"}])
+        sdk.chat.completions.create(model="mm_ensemble", n=2, messages=[{"role": "user", "content": "Hi"}])
     assert info.value.param == "n" and info.value.code == "unsupported"
 
 
@@ -248,7 +248,7 @@ def test_unreachable_triton_gives_503(tmp_path):
     gateway = Gateway(f"127.0.0.1:{nothing}", tmp_path / "gateway.log")
     try:
         with pytest.raises(openai.APIStatusError) as info:
-            gateway.sdk().chat.completions.create(model="mm_pipeline", messages=[{"role": "user", "content": "Hi"}])
+            gateway.sdk().chat.completions.create(model="mm_ensemble", messages=[{"role": "user", "content": "Hi"}])
         assert info.value.status_code == 503 and info.value.type == "service_unavailable"
         assert str(nothing) not in info.value.message
         status, body = _get(f"{gateway.url}/health")
@@ -276,22 +276,17 @@ class _Disconnecting:
 
 
 def test_a_client_disconnect_aborts_the_engine_request(server, gateway):
-    """Through mm_pipeline a closed HTTP connection cancels the Triton stream and the engine request,
-    long before its 3000 tokens (up to three tries: Triton 2.51 reports a stream's cancellation late
-    at times, see test_e2e_server.py)."""
+    """A closed HTTP connection cancels the Triton stream and the engine request (the gateway sends
+    mm_llm a cancel for the request's id), long before its 3000 tokens."""
     if server.metrics is None:
         pytest.skip("MMSERVE_TRITON_METRICS_URL not given")
     sdk = gateway.sdk()
 
     def start() -> _Disconnecting:
         return _Disconnecting(sdk.chat.completions.create(
-            model="mm_pipeline", messages=[{"role": "user", "content": "Count."}], stream=True, max_tokens=3000,
+            model="mm_ensemble", messages=[{"role": "user", "content": "Count."}], stream=True, max_tokens=3000,
             extra_body={"ignore_eos": True}))
 
-    tries = []
-    for _ in range(3):
-        tries.append(generated_after_cancel(server, start))
-        if tries[-1][1] < 1000:
-            break
-    print(f"\ngateway stream: (tokens when disconnected, tokens in all) per try: {tries}")
-    assert min(total for _, total in tries) < 1000, f"no try stopped early: {tries}"
+    at_cancel, total = generated_after_cancel(server, start)
+    print(f"\ngateway stream: disconnected at {at_cancel:.0f} tokens, {total:.0f} in all")
+    assert total < at_cancel + 500 and total < 1000, (at_cancel, total)

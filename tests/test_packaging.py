@@ -72,12 +72,11 @@ def test_the_runtime_imports_no_tooling():
     assert not offenders, offenders
 
 
-@pytest.mark.parametrize("module", ["mmserve.serving.pipeline", "mmserve.gateway.app", "mmserve.families",
+@pytest.mark.parametrize("module", ["mmserve.client", "mmserve.gateway.app", "mmserve.families",
                                     "mmserve.errors", "mmserve.vllm_seam"])
 def test_light_modules_load_no_engine(module):
-    """mm_pipeline's stub and the gateway need tensor names and errors only: importing them must not
-    load vLLM or torch (7 s at start, and at stop a stub that tears them down for seconds: a server
-    stop past Triton's exit timeout)."""
+    """The client and the gateway need tensor names and errors only: importing them must not load
+    vLLM or torch (7 s at start, and seconds to tear them down at a stop)."""
     code = (f"import sys, {module}; "
             "print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -176,8 +176,7 @@ def test_model_repository_configs_follow_the_tensor_contract():
     from mmserve import wire
     from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS, MM_LLM_INPUTS
 
-    preprocess, llm, ensemble, pipeline = (
-        _model_config(n) for n in ("preprocess", "mm_llm", "mm_ensemble", "mm_pipeline"))
+    preprocess, llm, ensemble = (_model_config(n) for n in ("preprocess", "mm_llm", "mm_ensemble"))
     outputs = [entry[:3] for entry in _expected(wire.OUTPUTS)]
     # text_input is required everywhere (or messages, a conversation), but marked optional so that
     # the model answers its absence.
@@ -188,10 +187,8 @@ def test_model_repository_configs_follow_the_tensor_contract():
     assert _listed(llm.input) == _expected(MM_LLM_INPUTS, required=("input_ids",))
     assert [entry[:3] for entry in _listed(llm.output)] == outputs
     assert llm.model_transaction_policy.decoupled
-    for public in (ensemble, pipeline):
-        assert _listed(public.input) == _expected(wire.PUBLIC_INPUTS), public.name
-        assert [entry[:3] for entry in _listed(public.output)] == outputs, public.name
-    assert pipeline.model_transaction_policy.decoupled
+    assert _listed(ensemble.input) == _expected(wire.PUBLIC_INPUTS)
+    assert [entry[:3] for entry in _listed(ensemble.output)] == outputs
 
     # The ensemble feeds every preprocess output to the same-named mm_llm input, its own inputs to the
     # same-named inputs of each step, and exposes mm_llm's outputs under their own names.
@@ -258,7 +255,6 @@ def test_an_engine_failure_is_not_reported_once_the_model_stops(tiny_models):
     ``unload_model``, which crashed tritonserver 2.51 when called during the model's finalize) is not
     called once ``shutdown`` began, and ``shutdown`` waits for a call in progress."""
     import threading
-    import time
 
     from mmserve.serving.llm import LLMService
 
@@ -296,84 +292,3 @@ def test_an_engine_failure_is_not_reported_once_the_model_stops(tiny_models):
     events.append("stopped")
     failing.join(10)
     assert events == ["reported injected", "stopped"]
-
-
-def test_the_pipeline_frees_a_request_held_in_a_garbage_cycle(caplog):
-    """mm_pipeline's stop hung in CI until Triton's exit timeout: Triton frees a request's response
-    factory (which holds the model) only when the stub's response sender goes, and one held in a
-    garbage cycle lived on in the idle stub. Here a BLS call fails with an exception that is part of
-    a cycle (its traceback holds the request's frame): once idle, the pipeline's watcher collects it."""
-    import gc
-    import weakref
-
-    from mmserve.errors import InputError
-    from mmserve.serving.embedded import IDLE_COLLECT_S
-    from mmserve.serving.pipeline import Pipeline
-
-    class Cyclic(InputError):  # a client error: answered without logging (a log record would hold it)
-        def __init__(self) -> None:
-            super().__init__("preprocess broke")
-            self.me = self  # a cycle: only the cyclic collector frees it (and what its traceback holds)
-
-    class ResponseSender:  # the name matters: the pipeline counts what it frees by type name
-        def __init__(self) -> None:
-            self.sent: list[tuple[object, int]] = []
-
-        def send(self, response=None, flags=0) -> None:
-            self.sent.append((response, flags))
-
-        def is_cancelled(self) -> bool:
-            return False
-
-    class Request:
-        def __init__(self) -> None:
-            self.sender, self.inputs = ResponseSender(), {"text_input": object()}
-
-        def get_response_sender(self) -> ResponseSender:
-            return self.sender
-
-    class FakePb:  # the part of triton_python_backend_utils the pipeline uses on this path
-        TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
-
-        class TritonError:
-            INTERNAL, INVALID_ARG, UNAVAILABLE, NOT_FOUND = "INTERNAL", "INVALID_ARG", "UNAVAILABLE", "NOT_FOUND"
-
-            def __init__(self, message: str, code: str | None = None) -> None:
-                self.text, self.code = message, code
-
-        class InferenceRequest:
-            def __init__(self, **_: object) -> None:
-                pass
-
-            def exec(self, decoupled: bool = False) -> None:
-                raise Cyclic()
-
-        class InferenceResponse:
-            def __init__(self, output_tensors=None, error=None) -> None:
-                self.error = error
-
-        @staticmethod
-        def get_input_tensor_by_name(request: Request, name: str) -> object:
-            return request.inputs.get(name)
-
-    pipeline = Pipeline(FakePb)
-    gc.disable()  # nothing but the pipeline may collect it
-    try:
-        request = Request()
-        sent, sender = request.sender.sent, weakref.ref(request.sender)
-        pipeline.submit(request)
-        del request
-        deadline = time.monotonic() + 10
-        while not sent and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert [flags for _, flags in sent] == [1] and "[INVALID_ARG]" in sent[0][0].error.text
-        answered = time.monotonic()
-        while sender() is not None and time.monotonic() - answered < IDLE_COLLECT_S + 3:
-            time.sleep(0.05)
-        assert sender() is None, "the request's response sender is still alive (held in a garbage cycle)"
-        while "freed" not in caplog.text and time.monotonic() - answered < IDLE_COLLECT_S + 5:
-            time.sleep(0.05)  # the watcher logs after the collection
-        assert "mm_pipeline: freed 1 response sender(s) held in garbage cycles" in caplog.text
-    finally:
-        gc.enable()
-        pipeline.shutdown()

@@ -127,7 +127,7 @@ CASES: dict[str, list[str]] = {
     "image_audio": ["image", "audio"],
     "two_images": ["image", "image"],
 }
-ENTRIES = ("mm_pipeline", "mm_ensemble")
+ENTRIES = ("mm_ensemble",)
 
 
 @dataclass

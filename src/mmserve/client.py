@@ -3,7 +3,7 @@
 Library use::
 
     from mmserve.client import MMClient
-    client = MMClient("127.0.0.1:8001")                       # gRPC, to mm_pipeline
+    client = MMClient("127.0.0.1:8001")                       # gRPC, to mm_ensemble
     result = client.generate("Describe.", images=["cat.png"], max_tokens=32)
     for delta in client.stream("Describe.", images=["cat.png"]):
         print(delta, end="", flush=True)
@@ -24,9 +24,10 @@ Leaving a ``stream()`` loop early cancels the request on the server as well. ``s
 ``infer_tensors`` send named tensors as they are (e.g. to ``mm_llm``, or to ``preprocess`` to see
 the token ids and features the server makes of a request).
 
-``entry`` picks the served model: ``mm_pipeline`` (default: a cancelled request stops on the engine)
-or ``mm_ensemble`` (the same tensors through Triton's ensemble scheduler). ``direct=True``
-preprocesses on the client's side (the model's own HF processor, ``model`` = the checkpoint
+``entry`` picks the served model (default ``mm_ensemble``). A request the client cancels (or leaves
+early) is cancelled on its gRPC stream and on the engine: ``cancel_on_engine`` sends ``mm_llm`` a
+control request naming the request's id, since Triton's ensemble scheduler does not carry a
+cancellation into a running step (docs/tensors.md). ``direct=True`` preprocesses on the client's side (the model's own HF processor, ``model`` = the checkpoint
 directory) and calls ``mm_llm`` with the processed tensors; the result is the same.
 
 Errors raise ``ClientError``, whose ``code`` is the server's class of error: ``INVALID_ARG`` (fix the
@@ -36,6 +37,7 @@ request), ``UNAVAILABLE`` (retry later), ``CANCELLED``, ``INTERNAL`` (``None``: 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import mimetypes
 import queue
@@ -50,7 +52,6 @@ import numpy as np
 
 from mmserve.wire import code_of
 
-PIPELINE = "mm_pipeline"
 ENSEMBLE = "mm_ensemble"
 LLM = "mm_llm"
 Media = str | Path | bytes
@@ -104,18 +105,18 @@ def _data_url(media: Media) -> str:
 
 
 class MMClient:
-    """Client of the ``mm_pipeline`` or ``mm_ensemble`` (or, with ``direct``, ``mm_llm``) model.
+    """Client of the ``mm_ensemble`` (or, with ``direct``, ``mm_llm``) model.
 
     Args:
         url: ``host:port`` of Triton's gRPC or HTTP endpoint.
         protocol: ``"grpc"`` or ``"http"``.
-        entry: the model that takes raw requests: ``mm_pipeline`` or ``mm_ensemble``.
+        entry: the model that takes raw requests (``mm_ensemble``).
         direct: preprocess locally and call ``mm_llm`` (gRPC only); needs ``model``.
         model: local checkpoint directory for ``direct``.
         timeout: seconds to wait for each response before giving up (``ClientError``).
     """
 
-    def __init__(self, url: str, protocol: str = "grpc", *, entry: str = PIPELINE, direct: bool = False,
+    def __init__(self, url: str, protocol: str = "grpc", *, entry: str = ENSEMBLE, direct: bool = False,
                  model: str | Path | None = None, timeout: float = 600.0):
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol must be 'grpc' or 'http', not {protocol!r}")
@@ -278,11 +279,11 @@ class Generation:
     """
 
     def __init__(self, url: str, model: str, inputs: list[Any], *, timeout: float = 600.0,
-                 request_id: str | None = None) -> None:
+                 request_id: str | None = None, llm: str = LLM) -> None:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
-        self.model, self.timeout = model, timeout
+        self.url, self.model, self.timeout, self.llm = url, model, timeout, llm
         self.request_id = request_id or uuid.uuid4().hex
         self._answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
         self._finished = False
@@ -317,12 +318,17 @@ class Generation:
         self.close()
 
     def close(self) -> None:
-        """Close the stream, cancelling the request unless it ended."""
+        """Close the stream, cancelling the request unless it ended: the gRPC stream, and on the
+        engine (``cancel_on_engine``)."""
         with self._lock:
             client, self._client = self._client, None
-        if client is not None:
-            client.stop_stream(cancel_requests=not self._finished)
-            client.close()
+        if client is None:
+            return
+        finished = self._finished
+        client.stop_stream(cancel_requests=not finished)
+        client.close()
+        if not finished:
+            cancel_on_engine(self.url, self.request_id, llm=self.llm)
 
     def _read(self) -> Iterator[Result]:
         try:
@@ -344,6 +350,43 @@ class Generation:
                     return
         finally:
             self.close()
+
+
+CANCEL_TIMEOUT_S = 5.0
+"""How long ``cancel_on_engine`` waits for ``mm_llm``'s answer."""
+
+
+def cancel_tensors(request_id: str) -> dict[str, np.ndarray]:
+    """The control request that has ``mm_llm`` cancel the request in flight whose Triton request id
+    is ``request_id`` (docs/tensors.md): Triton's ensemble gives each step the ensemble request's id,
+    so this reaches an ``mm_ensemble`` request too, whose running step the ensemble scheduler can't
+    cancel. A cancel that overtakes its request (still in ``preprocess``) waits for it in ``mm_llm``."""
+    return {"input_ids": np.zeros(0, dtype=np.int64), "cancel": np.array([request_id.encode()], dtype=np.object_)}
+
+
+def cancel_on_engine(url: str, request_id: str, *, llm: str = LLM, timeout: float = CANCEL_TIMEOUT_S) -> bool:
+    """Send ``cancel_tensors(request_id)`` to ``llm`` (decoupled: over a gRPC stream of its own) and
+    wait for its answer; False if none came in ``timeout`` or the server refused it."""
+    import tritonclient.grpc as grpcclient
+
+    answered = threading.Event()
+    outcome: list[Any] = []
+
+    def on_answer(result: Any, error: Any) -> None:
+        outcome.append(error)
+        answered.set()
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        client.start_stream(callback=on_answer)
+        client.async_stream_infer(llm, grpc_inputs(cancel_tensors(request_id)), request_id=f"{request_id}.cancel")
+        return answered.wait(timeout) and outcome[0] is None
+    except Exception:  # noqa: BLE001 - best effort: the server may be gone; the stream was cancelled anyway
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            client.stop_stream(cancel_requests=True)
+            client.close()
 
 
 def grpc_inputs(tensors: Mapping[str, np.ndarray]) -> list[Any]:

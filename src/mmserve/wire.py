@@ -1,6 +1,6 @@
 """What travels between clients and the models, with no heavy import (the client uses it).
 
-* The request and response tensors of the public models (``mm_ensemble``, ``mm_pipeline``) and of
+* The request and response tensors of the public model (``mm_ensemble``) and of
   ``mm_llm``: Triton's vLLM backend's names plus the raw media inputs. The model repository's
   ``config.pbtxt`` files list the same tensors for Triton; ``tests/test_serving.py`` checks that they
   agree. The feature tensors between ``preprocess`` and ``mm_llm`` are the families' business
@@ -85,9 +85,9 @@ FLAG_INPUTS: tuple[TensorSpec, ...] = (
 GENERATION_INPUTS: tuple[TensorSpec, ...] = (STREAM, SAMPLING_PARAMETERS, *FLAG_INPUTS[1:])
 """How to generate: what ``mm_llm`` takes beside the prompt (in this order in the configs)."""
 PUBLIC_INPUTS: tuple[TensorSpec, ...] = (*PREPROCESS_INPUTS, *GENERATION_INPUTS)
-"""What ``mm_ensemble`` and ``mm_pipeline`` take."""
+"""What ``mm_ensemble`` takes."""
 CANCEL = TensorSpec("cancel", "object", (1,), "a control request to mm_llm: cancel the request in flight "
-                    "whose Triton request id this is (mm_pipeline sends it)")
+                    "whose Triton request id this is (mmserve.client.cancel_tensors)")
 
 # ------------------------------------------------------------------------------------ responses
 OUTPUTS: tuple[TensorSpec, ...] = (
@@ -99,7 +99,7 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("num_input_tokens", "uint32", ("values",), "prompt length (return_num_input_tokens)"),
     TensorSpec("num_output_tokens", "uint32", ("values",), "tokens generated so far (return_num_output_tokens)"),
 )
-"""What ``mm_llm`` (and so ``mm_ensemble`` and ``mm_pipeline``) answers."""
+"""What ``mm_llm`` (and so ``mm_ensemble``) answers."""
 
 
 def names(specs: tuple[TensorSpec, ...]) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """Engine-side support for the benchmarks: importable by qualified name in every vLLM process.
 
 ``bench/peers.py`` sends the same requests to several systems, and three of them (Triton's
-``mm_ensemble``, ``mm_pipeline`` and ``mm_llm`` called directly) share one engine. So that no
+``mm_ensemble`` and ``mm_llm`` called directly) share one engine. So that no
 measured request is served from what an earlier copy of it left in that engine, every engine of the
 benchmark runs with vLLM's prefix cache and multimodal processor cache off (engine arguments) and
 with ``NoReuseEncoderCacheManager`` as its encoder cache, which vLLM can't switch off otherwise::

@@ -4,13 +4,15 @@ Inputs : input_ids (INT64 [tokens], placeholders expanded); optional pixel_value
          input_features, feature_attention_mask (the HF processor's outputs, empty when absent),
          text_input (echoed unless exclude_input_in_output), stream, sampling_parameters (JSON),
          exclude_input_in_output and the return_* flags of Triton's vLLM backend.
-         cancel (BYTES [1]): a control request: cancel the request in flight whose Triton request
-         id this is (mm_pipeline sends it when its client cancels); answered with an empty final
-         response, its other inputs ignored.
+         cancel (BYTES [1]): a control request: cancel the request whose Triton request id this
+         is (mm_ensemble passes the client's id on; mmserve.client and the gateway send it when
+         their client cancels); answered with an empty final response, its other inputs ignored.
 Outputs: text_output, output_ids, and when asked finish_reason, cumulative_logprob, logprobs,
-         num_input_tokens, num_output_tokens. One response per delta when streaming.
-Errors : [INVALID_ARG] bad input, [UNAVAILABLE] engine failed or restarting, [INTERNAL] our fault
-         (see mmserve.serving.triton).
+         num_input_tokens, num_output_tokens. Streaming: the first delta at once, then at most
+         one response per stream_flush_ms (config.pbtxt; per request in sampling_parameters).
+Errors : [INVALID_ARG] bad input, [UNAVAILABLE] engine failed, restarting or stopping,
+         [CANCELLED] cancelled, [INTERNAL] our fault (see mmserve.serving.triton). Every request
+         gets exactly one final response (mmserve.serving.triton.TritonSink).
 Health : a dead or wedged engine fails every request UNAVAILABLE, then the model asks Triton to
          unload it (readiness false); a keeper beside the server loads it back with a new engine
          (mmserve.serving.keeper; mmserve_dev.triton runs one). Needs
@@ -24,7 +26,6 @@ import gc
 import json
 import logging
 import os
-import threading
 
 import triton_python_backend_utils as pb_utils
 
@@ -32,46 +33,11 @@ from mmserve.serving.embedded import exit_soon_after_finalize, exit_with_server,
 
 use_utf8_locale()  # first: before torch or vLLM read a file (see its docstring)
 
-from mmserve.serving.llm import HealthConfig, LLMConfig, LLMService, parse_request
+from mmserve.serving.llm import STREAM_FLUSH_MS, HealthConfig, LLMConfig, LLMService, parse_request
 from mmserve.serving.metrics import TritonMetrics, TritonStatLogger
-from mmserve.serving.triton import parameters, read_input, triton_error
+from mmserve.serving.triton import TritonSink, parameters, read_input
 
-_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 logger = logging.getLogger("mm_llm")
-
-
-class _Sink:
-    """One request's response sender, as mmserve.serving.llm.ResponseSink. Never asks Triton about
-    cancellation once the final response is sent (Triton 2.51 crashes: mmserve.serving.pipeline)."""
-
-    def __init__(self, request):
-        self._sender = request.get_response_sender()
-        self._lock = threading.Lock()
-        self._finished = False
-
-    def _send(self, response=None, *, final):
-        with self._lock:
-            if self._finished:
-                return
-            self._finished = final
-            if response is None:
-                self._sender.send(flags=_FINAL if final else 0)
-            else:
-                self._sender.send(response, flags=_FINAL if final else 0)
-
-    def send(self, outputs, *, final):
-        tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
-        self._send(pb_utils.InferenceResponse(output_tensors=tensors), final=final)
-
-    def send_error(self, error):
-        self._send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error)), final=True)
-
-    def send_final(self):
-        self._send(final=True)
-
-    def is_cancelled(self):
-        with self._lock:
-            return not self._finished and self._sender.is_cancelled()
 
 
 class TritonPythonModel:
@@ -88,7 +54,9 @@ class TritonPythonModel:
         config = LLMConfig.from_file(os.path.join(args["model_repository"], "model.json"))
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         stat_logger = functools.partial(TritonStatLogger, metrics=self.metrics, on_record=self._progress)
-        self.service = LLMService.start(config, stat_loggers=[stat_logger], health=health, on_failure=self._unload)
+        flush_ms = float(params.get("stream_flush_ms", STREAM_FLUSH_MS))
+        self.service = LLMService.start(config, stat_loggers=[stat_logger], health=health, on_failure=self._unload,
+                                        stream_flush_ms=flush_ms)
         self.family = self.service.family
         # tritonserver killed or crashed: take the engine's processes along (the stub alone wouldn't).
         exit_with_server(lambda: self.service.runner.kill())
@@ -110,7 +78,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sink = _Sink(request)
+            sink = TritonSink(pb_utils, request)
             get = functools.partial(read_input, pb_utils, request)
             try:
                 cancel = get("cancel")
@@ -130,6 +98,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self.service.shutdown()  # requests still in flight are answered; then no stats arrive
+        if TritonSink.unfinished():
+            logger.error("stopping with %d request(s) without a final response", TritonSink.unfinished())
         self.metrics.close()
         # Now, while the stub can still free them: response senders held in reference cycles (an
         # exception's traceback) freed at interpreter exit crash the stub (Triton 2.51).

@@ -17,8 +17,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a container)")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--model-name", default=DEFAULT_MODEL,
-                        help="the Triton model requests go to (mm_pipeline: a client's cancellation reaches "
-                             "the engine; mm_ensemble: the same tensors, without that)")
+                        help="the Triton model requests go to (default: %(default)s)")
+    parser.add_argument("--llm-model-name", default=defaults.llm_model,
+                        help="the model running the engine behind it, where a cancelled request is cancelled "
+                             "too (default: %(default)s)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients pass as `model` and /v1/models lists (default: --model-name)")
     parser.add_argument("--allow-remote-media", action="store_true",
@@ -40,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from mmserve.gateway.app import create_app
 
-    config = GatewayConfig(triton_url=args.triton_url, model=args.model_name,
+    config = GatewayConfig(triton_url=args.triton_url, model=args.model_name, llm_model=args.llm_model_name,
                            served_model_name=args.served_model_name, allow_remote_media=args.allow_remote_media,
                            media_max_bytes=args.media_max_bytes, media_timeout_s=args.media_timeout_s,
                            max_request_bytes=args.max_request_bytes,

@@ -6,7 +6,7 @@ A request: the JSON body read (bounded), validated (``protocol``), converted to 
 The HTTP status is chosen once the model's first response (or error) is in: an error that Triton
 answers at once (a bad image, too many images, a bad sampling value, the engine down) is a proper
 400/503, not a broken stream. A client that goes away (streaming or not) cancels the Triton
-request, and through ``mm_pipeline`` the engine's.
+request and the engine's (``triton.TritonBackend``).
 """
 
 from __future__ import annotations
@@ -32,15 +32,16 @@ from mmserve.gateway.media import MediaFetcher
 from mmserve.gateway.protocol import ChatCompletionRequest, parse_request
 from mmserve.gateway.triton import Delta, TritonBackend
 
-DEFAULT_MODEL = "mm_pipeline"
+DEFAULT_MODEL = "mm_ensemble"
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     triton_url: str = "127.0.0.1:8001"
     model: str = DEFAULT_MODEL
-    """The Triton model requests go to: ``mm_pipeline`` (cancellation reaches the engine) or
-    ``mm_ensemble`` (same tensors; a cancelled request still runs to its end on the engine)."""
+    """The Triton model requests go to (``mm_ensemble``, or any model with its tensors)."""
+    llm_model: str = "mm_llm"
+    """The model that runs the engine behind ``model``: a cancelled request is cancelled there too."""
     served_model_name: str | None = None
     """The ``model`` name clients use and ``/v1/models`` lists (default: ``model``)."""
     allow_remote_media: bool = False
@@ -63,7 +64,7 @@ class _ClientGone(Exception):
 def create_app(config: GatewayConfig, backend: Any = None) -> FastAPI:
     """The app; ``backend`` (default: a ``TritonBackend`` on ``config.triton_url``) for tests."""
     backend = backend if backend is not None else TritonBackend(config.triton_url, config.model,
-                                                               config.response_timeout_s)
+                                                               config.response_timeout_s, llm=config.llm_model)
     fetcher = MediaFetcher(config.media_max_bytes, config.media_timeout_s) if config.allow_remote_media else None
     created = int(time.time())
 
@@ -292,8 +293,8 @@ async def _events(answer: _Answer, first: Delta, deltas: AsyncIterator[Delta]) -
                 yield _sse(answer.chunk({"content": delta.text}, logprobs=entries))
             if answer.finish_reason is not None:
                 yield _sse(answer.chunk({}, finish_reason=answer.finish_reason))
-                # Read the stream to its end (mm_pipeline's empty final response follows): closing it
-                # now would cancel a request Triton is completing, which crashes Triton 2.51.
+                # Read the stream to its end: closing it now would cancel a request Triton is
+                # completing, which crashes Triton 2.51.
                 async for _ in deltas:
                     pass
                 break

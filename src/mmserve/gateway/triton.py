@@ -1,12 +1,11 @@
 """The gateway's Triton side: ``tritonclient``'s asyncio gRPC client, one bidirectional stream per
-request, to ``mm_pipeline`` (default: it carries a cancellation to the engine) or any model with its
-tensors.
+request, to ``mm_ensemble`` (default) or any model with its tensors.
 
 A request is sent on its own stream, which is then half-closed: Triton ends the stream after the
 request's last response. Leaving the response iteration early (the HTTP client went away, the
-task was cancelled, Triton sent nothing for ``response_timeout_s``) cancels the gRPC call, which
-Triton reports to the model as the request's cancellation; ``mm_pipeline`` aborts the engine
-request.
+task was cancelled, Triton sent nothing for ``response_timeout_s``) cancels the gRPC call, and
+sends ``mm_llm`` a cancel for the request's id (``mmserve.client.cancel_tensors``): Triton's
+ensemble scheduler does not carry a cancellation into the running ``mm_llm`` step.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from mmserve.client import grpc_inputs
+from mmserve.client import CANCEL_TIMEOUT_S, LLM, cancel_tensors, grpc_inputs
 from mmserve.gateway.errors import (
     APIError,
     from_grpc,
@@ -130,10 +129,11 @@ class TritonBackend:
     belongs to it).
     """
 
-    def __init__(self, url: str, model: str, response_timeout_s: float | None = None) -> None:
-        self.url, self.model = url, model
+    def __init__(self, url: str, model: str, response_timeout_s: float | None = None, *, llm: str = LLM) -> None:
+        self.url, self.model, self.llm = url, model, llm
         self.response_timeout_s = response_timeout_s
         self._client: Any = None
+        self._cancels: set[asyncio.Task[bool]] = set()
 
     async def start(self) -> None:
         import tritonclient.grpc.aio as grpcclient
@@ -141,6 +141,8 @@ class TritonBackend:
         self._client = grpcclient.InferenceServerClient(self.url)
 
     async def close(self) -> None:
+        if self._cancels:  # cancels on their way go out first
+            await asyncio.wait(list(self._cancels), timeout=CANCEL_TIMEOUT_S)
         if self._client is not None:
             client, self._client = self._client, None
             await client.close()
@@ -163,12 +165,14 @@ class TritonBackend:
             yield request
 
         call = self._client.stream_infer(one_request())
+        ended = False
         try:
             while True:
                 try:
                     async with asyncio.timeout(self.response_timeout_s):
                         result, error = await anext(call)
                 except StopAsyncIteration:
+                    ended = True
                     return
                 except TimeoutError:
                     raise timed_out(f"the model server sent nothing for {self.response_timeout_s:g} s; "
@@ -184,6 +188,30 @@ class TritonBackend:
             raise internal("reading Triton's responses", exc) from None
         finally:
             call.cancel()  # no-op once the stream ended; else Triton cancels the request
+            if not ended:  # and the engine's request, which the ensemble's cancellation doesn't reach
+                task = asyncio.get_running_loop().create_task(self.cancel_on_engine(request_id))
+                self._cancels.add(task)
+                task.add_done_callback(self._cancels.discard)
+
+    async def cancel_on_engine(self, request_id: str) -> bool:
+        """Have ``llm`` cancel the engine's request for ``request_id`` (``mmserve.client.cancel_tensors``);
+        False if it did not answer in ``CANCEL_TIMEOUT_S``."""
+        request = {"model_name": self.llm, "inputs": grpc_inputs(cancel_tensors(request_id)),
+                   "request_id": f"{request_id}.cancel"}
+
+        async def one_request() -> AsyncIterator[dict[str, Any]]:
+            yield request
+
+        call = self._client.stream_infer(one_request())
+        try:
+            async with asyncio.timeout(CANCEL_TIMEOUT_S):
+                async for _, error in call:
+                    return error is None
+        except Exception:  # noqa: BLE001 - best effort: the Triton stream is cancelled anyway
+            return False
+        finally:
+            call.cancel()
+        return False
 
 
 def _is_grpc(exc: BaseException) -> bool:

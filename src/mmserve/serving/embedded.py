@@ -1,20 +1,16 @@
 """What a Triton Python-backend stub lacks: a UTF-8 locale in its embedded interpreter (the adapters,
 ``model_repository/*/1/model.py``, call ``use_utf8_locale`` first, before torch or vLLM are imported),
 processes it starts that end with it and with its server (``exit_with_server``,
-``die_with_triton_stub``), and garbage cycles freed while it idles (``collect_response_senders``)."""
+``die_with_triton_stub``)."""
 
 from __future__ import annotations
 
-import gc
 import locale
 import logging
 import threading
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
-
-IDLE_COLLECT_S = 1.0
-"""How long after its last request a model's stub collects garbage cycles (``collect_response_senders``)."""
 
 _ASCII = ("ascii", "ansi_x3.4-1968")
 
@@ -109,26 +105,3 @@ def exit_soon_after_finalize(seconds: float = 5.0) -> None:
     import sys
 
     faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
-
-
-def collect_response_senders(model: str) -> int:
-    """Collect garbage cycles; log and return how many response senders that freed.
-
-    Why: Triton frees a request's response factory, which holds the model, only when the stub's
-    response sender object goes (``~ResponseSender``; a final response does not free it). A sender
-    kept in a garbage cycle (an exception's traceback that holds the request's frame, say) lives
-    until a full collection, which an idle stub never runs, and meanwhile Triton can't unload the
-    model. ``mm_pipeline`` and ``mm_llm`` call this once they have been idle ``IDLE_COLLECT_S``.
-    """
-    gc.set_debug(gc.DEBUG_SAVEALL)  # unreachable objects go to gc.garbage: counted, then freed
-    try:
-        gc.collect()
-        freed = sum("ResponseSender" in type(obj).__name__ for obj in gc.garbage)
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-    gc.collect()
-    if freed:
-        logger.warning("%s: freed %d response sender(s) held in garbage cycles (each would have kept the model "
-                       "from unloading)", model, freed)
-    return freed

@@ -9,6 +9,7 @@ engine and answers through a ``ResponseSink``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import logging
@@ -26,13 +27,12 @@ from vllm.outputs import RequestOutput
 
 from mmserve import wire
 from mmserve.engine import EngineRunner
-from mmserve.errors import InputError, ServiceError, UnavailableError, public_error
+from mmserve.errors import CancelledError, InputError, ServiceError, UnavailableError, public_error
 from mmserve.families import FamilySpec
 from mmserve.inputs import family_of_checkpoint, processed_prompt, read_engine_config
 from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
-from mmserve.serving.embedded import IDLE_COLLECT_S, collect_response_senders
 from mmserve.serving.outbox import Outbox
-from mmserve.serving.sampling import parse_sampling_parameters
+from mmserve.serving.sampling import parse_generation_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,15 @@ FLAG_INPUTS = wire.names(wire.FLAG_INPUTS)
 
 CANCEL_POLL_S = 0.1
 """How often the watcher asks Triton whether the clients of the requests in flight cancelled them."""
+
+EARLY_CANCEL_S = 60.0
+"""How long a cancel for a request id not in flight (yet) is remembered (``LLMService.cancel``)."""
+MAX_EARLY_CANCELS = 4096
+
+STREAM_FLUSH_MS = 20.0
+"""A stream's shortest interval between two responses after its first (``mm_llm``'s
+``stream_flush_ms`` parameter; per request in ``sampling_parameters``): the deltas of a busy
+engine's steps travel as one response (docs/PERFORMANCE.md). 0: a response per engine output."""
 
 
 class RequestError(InputError):
@@ -84,6 +93,8 @@ class GenerateRequest:
     sampling_params: SamplingParams
     flags: dict[str, bool] = field(default_factory=dict)
     text_input: str | None = None
+    stream_flush_ms: float | None = None
+    """The request's own ``stream_flush_ms`` (``sampling_parameters``); None: the model's."""
 
     @property
     def stream(self) -> bool:
@@ -127,14 +138,14 @@ def parse_request(
     for name in FLAG_INPUTS:
         value = get(name)
         flags[name] = bool(value.reshape(-1)[0]) if value is not None and value.size else False
+    sampling = parse_generation_parameters(first_string(get("sampling_parameters"), "sampling_parameters"),
+                                           stream=flags["stream"], logprobs=flags["return_logprobs"])
     return GenerateRequest(
         prompt=processed_prompt(family, ids, features),
-        sampling_params=parse_sampling_parameters(
-            first_string(get("sampling_parameters"), "sampling_parameters"),
-            stream=flags["stream"], logprobs=flags["return_logprobs"],
-        ),
+        sampling_params=sampling.params,
         flags=flags,
         text_input=first_string(get("text_input"), "text_input"),
+        stream_flush_ms=sampling.stream_flush_ms,
     )
 
 
@@ -202,11 +213,14 @@ class _InFlight:
     cancelled (by its client, or by a ``cancel`` control request)."""
 
     sink: ResponseSink
+    flush_s: float = 0.0  # a stream's shortest interval between two responses (after its first)
     future: Any = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     # What waits for the outbox: engine outputs and calls (final, error), in order.
     pending: list[RequestOutput | Callable[[], None]] = field(default_factory=list)
     scheduled: bool = False  # a drain of ``pending`` is queued in the outbox
+    sent_at: float | None = None  # when the last response went out (None: none yet)
+    timer: asyncio.TimerHandle | None = None  # a drain held back until flush_s after sent_at
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -217,7 +231,8 @@ class LLMService:
     to an ``Outbox``, whose thread builds the response tensors and sends them to Triton (a blocking
     call into the server). When the outbox falls behind (many streams, few cores), the deltas of a
     stream that queued up meanwhile go out as one response (``RequestOutput.add``, as vLLM's own
-    output collector merges them): fewer, larger responses instead of a growing backlog. One
+    output collector merges them): fewer, larger responses instead of a growing backlog. After
+    its first response a stream gets at most one per ``stream_flush_ms`` (its last at once). One
     watcher thread checks the clients' cancellations of every request in flight
     (``CANCEL_POLL_S``) and the engine's health (``health.check_interval_s``).
 
@@ -229,6 +244,8 @@ class LLMService:
     Args:
         runner: the engine (``LLMService.start`` creates it from ``model.json``'s arguments).
         health: the watcher's settings.
+        stream_flush_ms: the default of a stream's shortest interval between two responses after
+            its first (``STREAM_FLUSH_MS``); a request's ``sampling_parameters`` may set its own.
         on_failure: called once, from the watcher's thread, after the service failed; not once
             ``shutdown`` began, and ``shutdown`` waits for a call in progress (in ``mm_llm`` it is
             ``pb_utils.unload_model``: a stub that makes that call while its model is being
@@ -236,21 +253,23 @@ class LLMService:
     """
 
     def __init__(self, runner: EngineRunner, *, health: HealthConfig | None = None,
-                 on_failure: Callable[[str], None] | None = None) -> None:
+                 on_failure: Callable[[str], None] | None = None,
+                 stream_flush_ms: float = STREAM_FLUSH_MS) -> None:
         self.runner = runner
+        self.stream_flush_ms = stream_flush_ms
         self.family = family_of_checkpoint(runner.engine_args["model"])
         self.vocab_size: int | None = runner.vocab_size
         self.health = health or HealthConfig()
         self._on_failure = on_failure
         self._in_flight: dict[str, _InFlight] = {}
         self._by_client_id: dict[str, str] = {}
+        self._early_cancels: collections.OrderedDict[str, float] = collections.OrderedDict()  # id -> expiry
         self._lock = threading.Lock()
         self._idle = threading.Event()
         self._idle.set()
         self._failure: str | None = None
         self._stopping = threading.Event()
         self._reporting = threading.RLock()  # held around on_failure; shutdown waits for it
-        self._collect_at: float | None = None  # when idle: collect_response_senders
         self._last_progress = time.monotonic()
         self._outbox = Outbox("mmserve-responses")
         self._watcher = threading.Thread(target=self._watch, name="mmserve-engine-watch", daemon=True)
@@ -283,9 +302,12 @@ class LLMService:
 
         ``client_id`` (the caller's own request id) lets ``cancel`` find the request later.
         """
-        entry = _InFlight(sink)
+        flush_ms = self.stream_flush_ms if request.stream_flush_ms is None else request.stream_flush_ms
+        entry = _InFlight(sink, flush_s=flush_ms / 1000 if request.stream else 0.0)
         with self._lock:
             refused = self._unavailable()
+            if refused is None and self._cancelled_early(client_id):
+                refused = CancelledError("the request was cancelled")
             if refused is None:
                 if not self._in_flight:
                     self._last_progress = time.monotonic()  # the stall clock starts with the work
@@ -300,18 +322,36 @@ class LLMService:
         entry.future.add_done_callback(lambda _: self._done(request_id, client_id))
 
     def cancel(self, client_id: str) -> bool:
-        """Cancel the request submitted with ``client_id``; False if none is in flight."""
+        """Cancel the request submitted with ``client_id``; False if none is in flight.
+
+        A ``client_id`` not in flight is remembered for ``EARLY_CANCEL_S``: the request may still
+        be on its way (a cancel sent beside an ``mm_ensemble`` request can overtake it while
+        ``preprocess`` runs), and is then answered ``CANCELLED`` when it arrives."""
         with self._lock:
             request_id = self._by_client_id.get(client_id, "")
             entry = self._in_flight.get(request_id)
+            if entry is None:
+                self._early_cancels[client_id] = time.monotonic() + EARLY_CANCEL_S
+                self._early_cancels.move_to_end(client_id)
+                while len(self._early_cancels) > MAX_EARLY_CANCELS:
+                    self._early_cancels.popitem(last=False)
         if entry is None:
             return False
         self._abort(request_id, entry)
         return True
 
+    def _cancelled_early(self, client_id: str | None) -> bool:
+        """Whether a cancel for ``client_id`` came before its request (holding ``_lock``)."""
+        if not client_id or not self._early_cancels:
+            return False
+        now = time.monotonic()
+        while self._early_cancels and next(iter(self._early_cancels.values())) < now:
+            self._early_cancels.popitem(last=False)
+        return self._early_cancels.pop(client_id, None) is not None
+
     def _abort(self, request_id: str, entry: _InFlight) -> None:
-        """Stop a cancelled request on the engine (once); its stream then ends with an empty final
-        response."""
+        """Stop a cancelled request on the engine (once); its stream then ends with a final
+        ``CANCELLED`` error response."""
         if entry.cancelled.is_set():
             return
         entry.cancelled.set()
@@ -326,7 +366,6 @@ class LLMService:
                 del self._by_client_id[client_id]
             if not self._in_flight:
                 self._idle.set()
-                self._collect_at = time.monotonic() + IDLE_COLLECT_S
 
     async def _run(self, request: GenerateRequest, entry: _InFlight, request_id: str) -> None:
         """On the engine's loop: read the engine's outputs, queue the responses (never call Triton here)."""
@@ -347,7 +386,9 @@ class LLMService:
                         return
                 else:
                     last = output
-            if cancelled.is_set() or request.stream:  # cancelled, or the stream ended unfinished
+            if cancelled.is_set():
+                post(functools.partial(sink.send_error, CancelledError("the request was cancelled")))
+            elif request.stream:  # the stream ended unfinished (vLLM aborted it)
                 post(sink.send_final)
             elif last is not None:
                 post(last)
@@ -373,10 +414,35 @@ class LLMService:
             post(functools.partial(sink.send_error, error))
 
     def _post(self, entry: _InFlight, request: GenerateRequest, item: RequestOutput | Callable[[], None]) -> None:
-        """Queue an engine output or a call (final, error) of one request for the outbox."""
+        """On the engine's loop: queue an engine output or a call (final, error) of one request for
+        the outbox.
+
+        A stream's first response, its last and any call go out at once; the outputs in between
+        wait until ``entry.flush_s`` after the stream's previous response (a timer on the loop), and
+        whatever queued up meanwhile goes out as one response."""
+        held = isinstance(item, RequestOutput) and not item.finished and entry.flush_s > 0
         with entry.lock:
             entry.pending.append(item)
             if entry.scheduled:  # a drain is queued already: it will take this one too
+                return
+            if held and entry.sent_at is not None:
+                if entry.timer is not None:  # the held drain will take this one too
+                    return
+                delay = entry.sent_at + entry.flush_s - time.monotonic()
+                if delay > 0:
+                    entry.timer = self.runner.loop.call_later(delay, self._release, entry, request)
+                    return
+            if entry.timer is not None:
+                entry.timer.cancel()
+                entry.timer = None
+            entry.scheduled = True
+        self._outbox.put(functools.partial(self._drain, entry, request))
+
+    def _release(self, entry: _InFlight, request: GenerateRequest) -> None:
+        """On the engine's loop: a held drain is due."""
+        with entry.lock:
+            entry.timer = None
+            if entry.scheduled or not entry.pending:
                 return
             entry.scheduled = True
         self._outbox.put(functools.partial(self._drain, entry, request))
@@ -386,6 +452,7 @@ class LLMService:
         """On the outbox's thread: send what one request has pending, consecutive outputs merged."""
         with entry.lock:
             items, entry.pending, entry.scheduled = entry.pending, [], False
+            entry.sent_at = time.monotonic()
         merged: RequestOutput | None = None
         for item in items:
             if isinstance(item, RequestOutput):
@@ -406,19 +473,10 @@ class LLMService:
         next_health_check = time.monotonic() + self.health.check_interval_s
         while not self._stopping.wait(CANCEL_POLL_S) and self._failure is None:
             self._check_cancellations()
-            self._collect_when_idle()
             if time.monotonic() >= next_health_check:
                 next_health_check = time.monotonic() + self.health.check_interval_s
                 if not self._check_health():
                     return
-
-    def _collect_when_idle(self) -> None:
-        with self._lock:
-            due = self._collect_at is not None and not self._in_flight and time.monotonic() >= self._collect_at
-            if due:
-                self._collect_at = None
-        if due:
-            collect_response_senders("mm_llm")
 
     def _check_cancellations(self) -> None:
         """Triton has no callback for a client's cancellation: ask for each request in flight (also

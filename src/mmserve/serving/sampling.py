@@ -37,6 +37,7 @@ import math
 import re
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from vllm import SamplingParams
@@ -224,9 +225,19 @@ SUPPORTED: dict[str, Converter] = {
     "bad_words": _strings(MAX_BAD_WORDS, single=False),
     "allowed_token_ids": _token_ids(MAX_TOKEN_ID_LIST, non_empty=True),
     "logit_bias": _logit_bias,
+    # streaming
+    "stream_interval": _int(1, INT32_MAX),  # tokens per streamed delta (vLLM's, at least the engine's)
 }
 """The fields a client may set, and how each is read. Every other SamplingParams field
 (structured_outputs, extra_args, output_kind, detokenize, prompt_logprobs, ...) is refused."""
+
+MAX_STREAM_FLUSH_MS = 1000.0
+EXTENSIONS: dict[str, Converter] = {
+    "stream_flush_ms": _float(0.0, MAX_STREAM_FLUSH_MS),
+}
+"""Fields of this server beside vLLM's (not ``SamplingParams`` fields): ``stream_flush_ms``, a
+stream's shortest interval between two responses after its first (``mm_llm``'s parameter of the
+same name is the default; 0: one response per engine output)."""
 
 NULLABLE = frozenset({"seed", "max_tokens", "logprobs", "stop", "stop_token_ids", "bad_words",
                       "allowed_token_ids", "logit_bias"})
@@ -236,8 +247,22 @@ NULLABLE = frozenset({"seed", "max_tokens", "logprobs", "stop", "stop_token_ids"
 _FIELDS = frozenset(SamplingParams.__struct_fields__)
 
 
+@dataclass(frozen=True)
+class GenerationParameters:
+    """A request's ``sampling_parameters``: vLLM's part and this server's (``EXTENSIONS``)."""
+
+    params: SamplingParams
+    stream_flush_ms: float | None = None
+
+
 def parse_sampling_parameters(text: str | None, *, stream: bool, logprobs: bool) -> SamplingParams:
-    """``sampling_parameters`` JSON -> ``SamplingParams`` that the engine can carry.
+    """``sampling_parameters`` JSON -> ``SamplingParams`` (``parse_generation_parameters``' vLLM part)."""
+    return parse_generation_parameters(text, stream=stream, logprobs=logprobs).params
+
+
+def parse_generation_parameters(text: str | None, *, stream: bool, logprobs: bool) -> GenerationParameters:
+    """``sampling_parameters`` JSON -> ``SamplingParams`` that the engine can carry, and this
+    server's own fields (``EXTENSIONS``).
 
     ``stream`` picks the output kind (DELTA, else FINAL_ONLY); ``logprobs`` (the request asks for
     them) sets ``logprobs`` to 1 unless the client chose a number. Raises ``InputError``.
@@ -248,9 +273,12 @@ def parse_sampling_parameters(text: str | None, *, stream: bool, logprobs: bool)
         raise InputError(f"{PREFIX}invalid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise InputError(f"{PREFIX}expected a JSON object, found {type(raw).__name__}")
+    extensions = {name: EXTENSIONS[name](name, value) for name, value in raw.items()
+                  if name in EXTENSIONS and value is not None}
+    raw = {name: value for name, value in raw.items() if name not in EXTENSIONS}
     unknown = sorted(set(raw) - _FIELDS)
     if unknown:
-        raise InputError(f"{PREFIX}unknown parameter(s) {unknown}; supported: {sorted(SUPPORTED)}")
+        raise InputError(f"{PREFIX}unknown parameter(s) {unknown}; supported: {sorted({*SUPPORTED, *EXTENSIONS})}")
     unsupported = sorted(set(raw) - set(SUPPORTED))
     if unsupported:
         raise InputError(f"{PREFIX}parameter(s) {unsupported} not supported by this server; "
@@ -270,7 +298,7 @@ def parse_sampling_parameters(text: str | None, *, stream: bool, logprobs: bool)
     except Exception as exc:  # last resort: whatever else vLLM raises here is about these values
         raise InputError(f"{PREFIX}{type(exc).__name__}: {exc}") from None
     check_engine_transport(params)
-    return params
+    return GenerationParameters(params, **extensions)
 
 
 # -- the guard -----------------------------------------------------------------------------------

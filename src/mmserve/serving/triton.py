@@ -1,5 +1,5 @@
 """What the Triton adapters (``model_repository/*/1/model.py``) share: errors as Triton errors,
-config ``parameters``, input tensors. ``pb_utils`` (``triton_python_backend_utils``) exists only in
+config ``parameters``, input tensors, and ``TritonSink``, the guard of a decoupled request's responses. ``pb_utils`` (``triton_python_backend_utils``) exists only in
 the Python-backend stub, so it is passed in.
 
 Error codes and what clients see on Triton 2.51: the models send the taxonomy's code
@@ -13,6 +13,7 @@ client; ``mmserve.client`` turns it back into an exception class.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,3 +44,70 @@ def parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
 def read_input(pb_utils: Any, request: Any, name: str) -> np.ndarray | None:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()
+
+
+class TritonSink:
+    """The response sender of one request of a decoupled model (``mmserve.serving.llm.ResponseSink``),
+    guarded so that the request gets exactly one final response, whatever calls it from which thread.
+
+    * Every send after the final one is dropped (and logged): Triton would refuse it.
+    * ``is_cancelled()`` is never asked of a finished request: Triton 2.51 crashes
+      (SIGSEGV in ``TRITONBACKEND_ResponseFactoryIsCancelled``) when a Python model asks that after
+      the final response; a final send and every poll hold one lock.
+    * The final send drops the sender: Triton frees the request's response factory, which holds the
+      model loaded, only when the stub's sender object goes, so a guard that outlives its request
+      (in a garbage cycle, an exception's traceback) does not keep the model from unloading.
+
+    ``TritonSink.unfinished()`` counts the guards whose final response is not sent (``mm_llm``
+    logs it at its stop: it must be 0).
+    """
+
+    _open = 0
+    _open_lock = threading.Lock()
+
+    def __init__(self, pb_utils: Any, request: Any) -> None:
+        self._pb = pb_utils
+        self._sender: Any = request.get_response_sender()
+        self._lock = threading.Lock()
+        with TritonSink._open_lock:
+            TritonSink._open += 1
+
+    @classmethod
+    def unfinished(cls) -> int:
+        return cls._open
+
+    @property
+    def finished(self) -> bool:
+        return self._sender is None
+
+    def _send(self, response: Any = None, *, final: bool) -> None:
+        with self._lock:
+            sender = self._sender
+            if sender is None:
+                logger.warning("a response after the request's final one was dropped")
+                return
+            flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+            if final:
+                self._sender = None
+                with TritonSink._open_lock:
+                    TritonSink._open -= 1
+            if response is None:
+                sender.send(flags=flags)
+            else:
+                sender.send(response, flags=flags)
+
+    def send(self, outputs: Mapping[str, np.ndarray], *, final: bool) -> None:
+        tensors = [self._pb.Tensor(name, array) for name, array in outputs.items()]
+        self._send(self._pb.InferenceResponse(output_tensors=tensors), final=final)
+
+    def send_error(self, error: BaseException) -> None:
+        """The final response: ``error`` as the client gets it (``triton_error``)."""
+        self._send(self._pb.InferenceResponse(error=triton_error(self._pb, error)), final=True)
+
+    def send_final(self) -> None:
+        """An empty final response."""
+        self._send(final=True)
+
+    def is_cancelled(self) -> bool:
+        with self._lock:
+            return self._sender is not None and self._sender.is_cancelled()
