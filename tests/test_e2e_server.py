@@ -159,7 +159,7 @@ def test_a_cancel_through_the_ensemble_stops_the_engine(server, stream):
     client = _client(server)
     at_cancel, total = generated_after_cancel(server, lambda: client.start("Count.", stream=stream, **LONG_GENERATION))
     print(f"\nmm_ensemble, stream={stream}: cancelled at {at_cancel:.0f} tokens, {total:.0f} in all")
-    assert total < at_cancel + 500 and total < 1000, (at_cancel, total)
+    assert total < min(at_cancel + 500, 2500), (at_cancel, total)  # of 3000
 
 
 def test_a_cancel_that_overtakes_its_request_ends_it_cancelled(server):
@@ -186,7 +186,7 @@ def test_cancel_reaches_mm_llm_called_directly(server, tiny_models):
     direct = _client(server, direct=True, model=tiny_models["qwen2_5_omni"])  # preprocessed here: to mm_llm
     at_cancel, total = generated_after_cancel(server, lambda: direct.start("Count.", stream=False, **LONG_GENERATION))
     print(f"\nmm_llm: cancelled at {at_cancel:.0f} tokens, {total:.0f} generated in all")
-    assert total < at_cancel + 500 and total < 1000, (at_cancel, total)
+    assert total < min(at_cancel + 500, 2500), (at_cancel, total)  # of 3000
 
 
 def test_health_metadata_and_metrics(server, references):

@@ -289,4 +289,4 @@ def test_a_client_disconnect_aborts_the_engine_request(server, gateway):
 
     at_cancel, total = generated_after_cancel(server, start)
     print(f"\ngateway stream: disconnected at {at_cancel:.0f} tokens, {total:.0f} in all")
-    assert total < at_cancel + 500 and total < 1000, (at_cancel, total)
+    assert total < min(at_cancel + 500, 2500), (at_cancel, total)  # of 3000

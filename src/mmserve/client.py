@@ -290,8 +290,10 @@ class Generation:
         self._lock = threading.Lock()
         self._client: Any = grpcclient.InferenceServerClient(url)
         self._results = self._read()
+        self._cancel_id = f"{self.request_id}.cancel"
+        self._cancel_answered = threading.Event()
         try:
-            self._client.start_stream(callback=lambda result, error: self._answers.put((result, error)))
+            self._client.start_stream(callback=self._on_answer)
             self._client.async_stream_infer(model, inputs, request_id=self.request_id,
                                             enable_empty_final_response=True)
         except InferenceServerException as exc:  # the stream broke first: its callback has why
@@ -318,17 +320,34 @@ class Generation:
         self.close()
 
     def close(self) -> None:
-        """Close the stream, cancelling the request unless it ended: the gRPC stream, and on the
-        engine (``cancel_on_engine``)."""
+        """Close the stream, cancelling the request unless it ended: on the engine (a
+        ``cancel_tensors`` control request to ``llm`` on this stream, its answer awaited), then the
+        gRPC stream's."""
         with self._lock:
             client, self._client = self._client, None
         if client is None:
             return
         finished = self._finished
+        if not finished:
+            try:
+                client.async_stream_infer(self.llm, grpc_inputs(cancel_tensors(self.request_id)),
+                                          request_id=self._cancel_id, enable_empty_final_response=True)
+                sent = True
+            except Exception:  # noqa: BLE001 - the stream broke: a stream of its own, below
+                sent = False
+            if not (sent and self._cancel_answered.wait(CANCEL_TIMEOUT_S)):
+                cancel_on_engine(self.url, self.request_id, llm=self.llm)
         client.stop_stream(cancel_requests=not finished)
         client.close()
-        if not finished:
-            cancel_on_engine(self.url, self.request_id, llm=self.llm)
+
+    def _on_answer(self, result: Any, error: Any) -> None:
+        """The stream's callback: the control request's answer, or the request's."""
+        if result is not None and result.get_response().id == self._cancel_id:
+            self._cancel_answered.set()
+            return
+        self._answers.put((result, error))
+        if error is not None:  # errors carry no id: the control's, or the request's end; no more waiting
+            self._cancel_answered.set()
 
     def _read(self) -> Iterator[Result]:
         try:
@@ -379,7 +398,8 @@ def cancel_on_engine(url: str, request_id: str, *, llm: str = LLM, timeout: floa
     client = grpcclient.InferenceServerClient(url)
     try:
         client.start_stream(callback=on_answer)
-        client.async_stream_infer(llm, grpc_inputs(cancel_tensors(request_id)), request_id=f"{request_id}.cancel")
+        client.async_stream_infer(llm, grpc_inputs(cancel_tensors(request_id)), request_id=f"{request_id}.cancel",
+                                  enable_empty_final_response=True)
         return answered.wait(timeout) and outcome[0] is None
     except Exception:  # noqa: BLE001 - best effort: the server may be gone; the stream was cancelled anyway
         return False

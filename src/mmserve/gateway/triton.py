@@ -205,13 +205,14 @@ class TritonBackend:
         call = self._client.stream_infer(one_request())
         try:
             async with asyncio.timeout(CANCEL_TIMEOUT_S):
-                async for _, error in call:
-                    return error is None
+                async for _, error in call:  # Triton ends the stream after the (empty) final response
+                    if error is not None:
+                        return False
+            return True
         except Exception:  # noqa: BLE001 - best effort: the Triton stream is cancelled anyway
             return False
         finally:
             call.cancel()
-        return False
 
 
 def _is_grpc(exc: BaseException) -> bool:

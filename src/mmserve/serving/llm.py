@@ -508,7 +508,8 @@ class LLMService:
                 return
             self._failure = reason
             in_flight = list(self._in_flight.values())
-        logger.error("engine failed: %s; failing %d request(s) in flight", reason, len(in_flight))
+            ids = sorted(self._in_flight)[:8]
+        logger.error("engine failed: %s; failing %d request(s) in flight: %s", reason, len(in_flight), ids)
         self.runner.kill_processes()  # first: a wedged engine may still hold memory (weights) or resume
         for entry in in_flight:
             if entry.future is not None:
