@@ -29,7 +29,7 @@ import os
 
 import triton_python_backend_utils as pb_utils
 
-from mmserve.serving.embedded import exit_soon_after_finalize, exit_with_server, use_utf8_locale
+from mmserve.serving.embedded import exit_soon_after_finalize, exit_with_server, freeze_startup_heap, use_utf8_locale
 
 use_utf8_locale()  # first: before torch or vLLM read a file (see its docstring)
 
@@ -60,6 +60,7 @@ class TritonPythonModel:
         self.family = self.service.family
         # tritonserver killed or crashed: take the engine's processes along (the stub alone wouldn't).
         exit_with_server(lambda: self.service.runner.kill())
+        freeze_startup_heap()
 
     def _progress(self):
         service = getattr(self, "service", None)

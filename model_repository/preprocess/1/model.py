@@ -30,7 +30,7 @@ import json
 import logging
 import os
 
-from mmserve.serving.embedded import use_utf8_locale
+from mmserve.serving.embedded import freeze_startup_heap, use_utf8_locale
 
 use_utf8_locale()  # first: before torch or vLLM read a file (see its docstring)
 
@@ -72,6 +72,7 @@ class TritonPythonModel:
             limits=PreprocessLimits.from_parameters(config, mm_limits(engine)),
             user_control_tokens=config.get("user_control_tokens") or "escape",
         )
+        freeze_startup_heap()
 
     def execute(self, requests):
         responses = []

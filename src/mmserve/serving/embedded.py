@@ -1,10 +1,11 @@
 """What a Triton Python-backend stub lacks: a UTF-8 locale in its embedded interpreter (the adapters,
 ``model_repository/*/1/model.py``, call ``use_utf8_locale`` first, before torch or vLLM are imported),
 processes it starts that end with it and with its server (``exit_with_server``,
-``die_with_triton_stub``)."""
+``die_with_triton_stub``), and a garbage collector that skips the startup heap (``freeze_startup_heap``)."""
 
 from __future__ import annotations
 
+import gc
 import locale
 import logging
 import threading
@@ -105,3 +106,17 @@ def exit_soon_after_finalize(seconds: float = 5.0) -> None:
     import sys
 
     faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
+
+
+def freeze_startup_heap() -> int:
+    """Call last in a model's ``initialize``: move every object alive now (torch, transformers,
+    vLLM, the model's own state: millions of objects) out of the garbage collector's reach, as
+    vLLM's own API server does (``freeze_gc_heap``); returns how many were frozen.
+
+    Without it every full collection walks them all with the GIL held: in ``mm_llm``'s stub such
+    a collection took up to 0.5 s (730,000 objects tracked, measured at its start); with the
+    startup heap frozen, no collection took over 20 ms while it streamed 6,000 tokens.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
