@@ -2,7 +2,8 @@
 # The main job: the real tritonserver on 127.0.0.1 with model_repository/ (preprocess -> mm_llm
 # ensemble) and the embedded default model (tiny Qwen2.5-Omni), after building the environment and the
 # checkpoints if needed, and the OpenAI-compatible gateway beside it once the server is ready.
-# Ctrl-C stops everything (engine processes and shared memory included).
+# Ctrl-C, SIGTERM or SIGHUP stops everything (generations in flight get 5 s, then engine processes
+# and shared memory go too); if this script is killed, everything it started goes with it.
 #
 #   scripts/serve.sh [--model DIR] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
 #                    [--openai-port 9000 | --no-openai] [--preset NAME]
@@ -51,48 +52,16 @@ fi
 hint="Try it:
   $VENV/bin/python client/mm_client.py \"Describe the picture.\" --image examples/media/picture.png --audio examples/media/tone.wav --url {grpc}
   $VENV/bin/python client/mm_client.py \"Hello\" --protocol http --url {http} --no-stream"
-triton=("$VENV/bin/python" -m mmserve_dev.triton --model-repository "$repository"
-  --http-port "$http" --grpc-port "$grpc" --metrics-port "$metrics"
-  --shm-default-byte-size $((32 * 1024 * 1024)) --keep-loaded mm_llm,mm_ensemble --hint "$hint")
-if [[ -z $openai ]]; then
-  exec "${triton[@]}"
+openai_args=()
+if [[ -n $openai ]]; then
+  openai_args=(--openai-port "$openai")
+  hint+="
+  curl -s http://127.0.0.1:{openai}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{\"model\": \"mm_ensemble\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 16}}'"
 fi
-
-# Both in sessions of their own, so that a Ctrl-C reaches this script only, which stops each once
-# (SIGTERM: the launcher's complete stop; uvicorn's graceful shutdown).
-triton_pid="" gateway_pid=""
-stop() {
-  trap '' INT TERM HUP
-  [[ -n $gateway_pid ]] && kill -TERM "$gateway_pid" 2>/dev/null || true
-  [[ -n $triton_pid ]] && kill -TERM "$triton_pid" 2>/dev/null || true
-  wait 2>/dev/null || true
-  exit "${1:-0}"
-}
-trap 'stop 0' INT TERM HUP
-
-setsid "${triton[@]}" &
-triton_pid=$!
-ready() { "$VENV/bin/python" -c "import urllib.request, sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; }
-until ready "http://127.0.0.1:$http/v2/health/ready"; do
-  kill -0 "$triton_pid" 2>/dev/null || { wait "$triton_pid" || code=$?; exit "${code:-1}"; }
-  sleep 1
-done
-
-setsid "$VENV/bin/python" -m mmserve.gateway --triton-url "127.0.0.1:$grpc" --host 127.0.0.1 --port "$openai" \
-  --log-level warning &
-gateway_pid=$!
-for _ in $(seq 60); do
-  ready "http://127.0.0.1:$openai/v1/models" && break
-  kill -0 "$gateway_pid" 2>/dev/null || { echo "the OpenAI gateway did not start; stopping" >&2; stop 1; }
-  sleep 0.5
-done
-cat <<MSG
-OpenAI   http://127.0.0.1:$openai/v1  (chat completions, models; /health)
-  curl -s http://127.0.0.1:$openai/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{"model": "mm_pipeline", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
-MSG
-
-# Whichever ends first (a fault, or a signal) takes the other down.
-wait -n "$triton_pid" "$gateway_pid" || true
-echo "$(kill -0 "$triton_pid" 2>/dev/null && echo "the OpenAI gateway" || echo tritonserver) exited; stopping" >&2
-stop 1
+# exec: this script's process becomes the launcher, which stops everything on SIGINT/SIGTERM/SIGHUP
+# (also when started in the background, where SIGINT starts ignored) and takes tritonserver and the
+# gateway along if it is killed (mmserve_dev.triton).
+exec "$VENV/bin/python" -m mmserve_dev.triton --model-repository "$repository" \
+  --http-port "$http" --grpc-port "$grpc" --metrics-port "$metrics" "${openai_args[@]}" \
+  --shm-default-byte-size $((32 * 1024 * 1024)) --keep-loaded mm_llm,mm_ensemble --hint "$hint"

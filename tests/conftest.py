@@ -80,5 +80,5 @@ def server(references, tiny_models):
     env = {settings.MODEL.name: str(tiny_models["qwen2_5_omni"]),
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     with TritonServer(ROOT / "model_repository", env=env, shm_default_byte_size=32 * 1024 * 1024,
-                      keep_loaded=("mm_llm", "mm_ensemble")) as triton:
+                      keep_loaded=("mm_llm", "mm_ensemble"), drain="mm_llm") as triton:
         yield Endpoints(triton.grpc_url, triton.http_url, triton.metrics_url, server=triton)

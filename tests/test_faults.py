@@ -13,7 +13,6 @@ import contextlib
 import os
 import re
 import signal
-import threading
 import time
 
 import pytest
@@ -45,26 +44,17 @@ def _fault_and_heal(server, references, fault: signal.Signals, detect_within: fl
     from mmserve.client import ClientError
 
     [core] = utils.engine_core_pids(server)
-    in_flight: list[ClientError] = []
-
-    def long_request() -> None:
-        try:
-            utils.client(server).generate("Count.", max_tokens=1500, ignore_eos=True)
-        except ClientError as exc:
-            in_flight.append(exc)
-
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    assert wait_for(lambda: utils.metric(server, "vllm:num_requests_running") >= 1, 60)
+    in_flight = [utils.Tracked(server, "mm_ensemble", utils.long_generation(stream), f"{fault.name}-{k}")
+                 for k, stream in enumerate((True, True, False))]
+    assert wait_for(lambda: utils.metric(server, "vllm:num_requests_running") >= len(in_flight), 60)
     started = time.monotonic()
     os.kill(core, fault)
     try:
         assert wait_for(lambda: all(code != 200 for code in _readiness(server)), detect_within, 0.05), \
             f"still ready {detect_within} s after {fault.name}: {_readiness(server)}"
         detected = time.monotonic() - started
-        thread.join(30)
-        assert not thread.is_alive(), "the request in flight was never answered"
-        assert [e.code for e in in_flight] == ["UNAVAILABLE"], in_flight
+        assert all(request.wait(30) for request in in_flight), "a request in flight was never answered"
+        _assert_one_final_each(in_flight, "UNAVAILABLE")
         with pytest.raises(ClientError) as refused:
             utils.client(server).generate("Hi", **sampling(2))
         assert refused.value.code == "UNAVAILABLE", refused.value
@@ -85,6 +75,14 @@ def _fault_and_heal(server, references, fault: signal.Signals, detect_within: fl
     return timings
 
 
+def _assert_one_final_each(requests: list[utils.Tracked], code: str) -> None:
+    """Each request got exactly one final response, an error of class ``code``."""
+    from mmserve.wire import code_of
+
+    outcomes = [(r.request_id, r.finals, [code_of(e) for e in r.errors]) for r in requests]
+    assert all(finals == 1 and codes == [code] for _, finals, codes in outcomes), outcomes
+
+
 def test_engine_killed_detect_unavailable_heal(own_server, references):
     _fault_and_heal(own_server, references, signal.SIGKILL, DETECT_S)
 
@@ -97,8 +95,9 @@ def test_engine_wedged_detect_unavailable_heal(own_server, references):
 
 
 def test_clean_stop_after_faults(own_server):
-    """After a death, a wedge, bad requests and cancellations: a stop within 15 s, exit code 0, no
-    process of the server's group and no /dev/shm file of its processes left."""
+    """After a death, a wedge, bad requests and cancellations, with generations in flight: a stop
+    within 15 s, exit code 0, each generation ended UNAVAILABLE by the drain with one final
+    response, no process of the server's group and no /dev/shm file of its processes left."""
     import psutil
 
     triton = own_server.server
@@ -108,10 +107,18 @@ def test_clean_stop_after_faults(own_server):
 
     shm = shm_files_mapped(group) | set(triton.shm_files())
     assert shm, "the server maps no shared memory? (the check below would be empty)"
+    # Generations in flight at the stop: the drain ends them UNAVAILABLE after its grace period
+    # (they would run for minutes), each with exactly one final response, and the unload follows.
+    in_flight = [utils.Tracked(own_server, "mm_ensemble", utils.long_generation(stream, 4000), f"stop-{k}")
+                 for k, stream in enumerate((True, True, False))]
+    assert wait_for(lambda: utils.metric(own_server, "vllm:num_requests_running") >= len(in_flight), 60)
     started = time.monotonic()
     code = triton.stop()
     took = time.monotonic() - started
-    print(f"\nstop after the faults: {took:.1f} s, exit code {code}")
+    print(f"\nstop after the faults, {len(in_flight)} generations in flight: {took:.1f} s, exit code {code}")
+    assert all(request.wait(5) for request in in_flight)
+    _assert_one_final_each(in_flight, "UNAVAILABLE")
+    assert all("stopping" in request.errors[0] for request in in_flight), [r.errors for r in in_flight]
     assert took < 15, (code, took, triton.log_tail())
     assert not [pid for pid in group if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     assert not [path for path in shm if path.exists()]
@@ -150,3 +157,54 @@ def test_engine_dies_with_a_killed_server(tiny_models, victim):
         print(f"\nthe engine's processes gone {time.monotonic() - started:.1f} s after the {victim}'s SIGKILL")
         assert not [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE], \
             f"orphaned: {[(p.pid, p.cmdline()[:1]) for p in alive]}"
+
+
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGKILL"])
+def test_serve_sh_started_in_the_background_stops_or_dies_whole(tiny_models, stop):
+    """``scripts/serve.sh`` started in the background by a script (so SIGINT starts ignored, as in CI
+    jobs and supervisors): SIGINT stops everything with exit code 0 within 15 s; SIGKILL of it
+    leaves no process it started after 5 s, its ports free and no /dev/shm file of the server.
+    Its own server each (runs after the others: never two engines at once)."""
+    import socket
+    import subprocess
+
+    import psutil
+
+    from mmserve_dev.triton import free_ports
+
+    http, grpc, metrics, openai = free_ports(4)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "MMSERVE_MODEL": str(tiny_models["qwen2_5_omni"])}
+    command = (f"bash scripts/serve.sh --http-port {http} --grpc-port {grpc} --metrics-port {metrics} "
+               f"--openai-port {openai} & pid=$!; echo $pid; wait $pid")
+    shell = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        launcher = psutil.Process(int(shell.stdout.readline()))
+        lines: list[str] = []
+        while not any("Ctrl-C to stop" in line for line in lines):
+            line = shell.stdout.readline()
+            assert line, "serve.sh ended before it was ready:\n" + "".join(lines)
+            lines.append(line)
+        assert int(open(f"/proc/{launcher.pid}/status").read().split("SigIgn:")[1].split()[0], 16) & 0x2 == 0, \
+            "SIGINT is still ignored"
+        tree = [launcher, *launcher.children(recursive=True)]
+        shm = {path for path in utils.shm_leftovers() if path.startswith(f"mmserve_{launcher.pid}_")}
+        assert shm and any(p.name() == "tritonserver" for p in tree), [p.name() for p in tree]
+        started = time.monotonic()
+        os.kill(launcher.pid, getattr(signal, stop))
+        if stop == "SIGINT":
+            assert shell.wait(20) == 0, "".join(lines) + shell.stdout.read()  # the shell ends with serve.sh's code
+            took = time.monotonic() - started
+            assert took < 15, took
+        _, alive = psutil.wait_procs(tree, timeout=5 if stop == "SIGKILL" else 1)
+        took = time.monotonic() - started
+        print(f"\nserve.sh {stop}: everything gone after {took:.1f} s")
+        assert not [(p.pid, p.name()) for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+        for port in (http, grpc, metrics, openai):
+            with socket.socket() as probe:
+                assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still in use"
+        assert wait_for(lambda: not (shm & utils.shm_leftovers()), 3), shm & utils.shm_leftovers()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait(10)

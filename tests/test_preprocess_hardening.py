@@ -350,6 +350,8 @@ def _fake_pb_utils() -> types.ModuleType:
     module.Tensor = _Tensor
     module.InferenceResponse = _Response
     module.get_input_tensor_by_name = lambda request, name: request.get(name)
+    module.Logger = types.SimpleNamespace(**{name: lambda message: None
+                                            for name in ("log_info", "log_warn", "log_error", "log_verbose")})
     return module
 
 

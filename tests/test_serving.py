@@ -245,7 +245,7 @@ class _StubRunner:
     def kill_processes(self) -> None:
         pass
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 60.0) -> None:
         self.in_shutdown.set()
         self.release.wait(10)
 
@@ -265,7 +265,7 @@ def test_an_engine_failure_is_not_reported_once_the_model_stops(tiny_models):
     failing = threading.Thread(target=service.fail, args=("injected",))
     failing.start()
     assert runner.in_shutdown.wait(10)
-    stopping = threading.Thread(target=service.shutdown, kwargs={"timeout": 5})
+    stopping = threading.Thread(target=service.shutdown)
     stopping.start()
     time.sleep(0.2)
     runner.release.set()
@@ -288,7 +288,7 @@ def test_an_engine_failure_is_not_reported_once_the_model_stops(tiny_models):
     failing = threading.Thread(target=service.fail, args=("injected",))
     failing.start()
     assert reporting.wait(10)
-    service.shutdown(timeout=5)
+    service.shutdown()
     events.append("stopped")
     failing.join(10)
     assert events == ["reported injected", "stopped"]

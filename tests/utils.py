@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -248,6 +249,58 @@ def http_generate(server: Endpoints, model: str, body: bytes | dict[str, Any]) -
         return reply.status_code, reply.json()
     except ValueError:
         return reply.status_code, {"error": reply.text}
+
+
+class Tracked:
+    """One request on a gRPC stream of its own, read at the wire (``ModelStreamInfer``'s messages:
+    tritonclient's callbacks drop an error response's request id): ``finals`` counts its final
+    responses, an error response being final. Every request must get exactly one."""
+
+    def __init__(self, server: Endpoints, model: str, tensors: dict[str, np.ndarray], request_id: str) -> None:
+        import grpc
+        from tritonclient.grpc import service_pb2_grpc
+        from tritonclient.grpc._utils import _get_inference_request
+
+        from mmserve.client import grpc_inputs
+
+        self.request_id = request_id
+        self.responses = 0
+        self.finals = 0
+        self.errors: list[str] = []
+        request = _get_inference_request(
+            model_name=model, inputs=grpc_inputs(tensors), model_version="", request_id=request_id,
+            outputs=None, sequence_id=0, sequence_start=False, sequence_end=False, priority=0, timeout=None,
+            parameters=None)
+        request.parameters["triton_enable_empty_final_response"].bool_param = True
+        self._channel = grpc.insecure_channel(server.grpc)
+        self._stream = service_pb2_grpc.GRPCInferenceServiceStub(self._channel).ModelStreamInfer(iter([request]))
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for message in self._stream:
+                self.responses += 1
+                if message.error_message:
+                    self.errors.append(message.error_message)
+                    self.finals += 1
+                elif message.infer_response.parameters["triton_final_response"].bool_param:
+                    self.finals += 1
+        except Exception as exc:  # noqa: BLE001 - the stream broke: recorded, not a response
+            self.errors.append(f"stream: {type(exc).__name__}")
+
+    def wait(self, timeout: float) -> bool:
+        """Until the server ended the stream (the request is half-closed: after its final response)."""
+        self._thread.join(timeout)
+        self._channel.close()
+        return not self._thread.is_alive()
+
+
+def long_generation(stream: bool, max_tokens: int = 3000) -> dict[str, np.ndarray]:
+    """``mm_ensemble`` tensors of a request that runs ``max_tokens`` unless stopped."""
+    params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    return {"text_input": np.array([b"Count."], dtype=object), "stream": np.array([stream]),
+            "sampling_parameters": np.array([json.dumps(params).encode()], dtype=object)}
 
 
 # -- server state ---------------------------------------------------------------------------------

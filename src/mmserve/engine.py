@@ -29,7 +29,7 @@ from mmserve.vllm_seam import AsyncLLM
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_S = 2.0
+SHUTDOWN_GRACE_S = 1.0
 """How long the engine's processes get to exit on shutdown before they are killed."""
 
 

@@ -88,6 +88,9 @@ PUBLIC_INPUTS: tuple[TensorSpec, ...] = (*PREPROCESS_INPUTS, *GENERATION_INPUTS)
 """What ``mm_ensemble`` takes."""
 CANCEL = TensorSpec("cancel", "object", (1,), "a control request to mm_llm: cancel the request in flight "
                     "whose Triton request id this is (mmserve.client.cancel_tensors)")
+DRAIN = TensorSpec("drain", "float32", (1,), "a control request to mm_llm before a stop: refuse new requests, "
+                   "give those in flight this many seconds, then end them UNAVAILABLE; answered once none is "
+                   "in flight (mmserve.drain)")
 
 # ------------------------------------------------------------------------------------ responses
 OUTPUTS: tuple[TensorSpec, ...] = (

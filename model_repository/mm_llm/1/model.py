@@ -7,6 +7,8 @@ Inputs : input_ids (INT64 [tokens], placeholders expanded); optional pixel_value
          cancel (BYTES [1]): a control request: cancel the request whose Triton request id this
          is (mm_ensemble passes the client's id on; mmserve.client and the gateway send it when
          their client cancels); answered with an empty final response, its other inputs ignored.
+         drain (FP32 [1]): a control request before a stop (mmserve.drain): refuse new requests,
+         give those in flight this many seconds, end the rest UNAVAILABLE, then answer.
 Outputs: text_output, output_ids, and when asked finish_reason, cumulative_logprob, logprobs,
          num_input_tokens, num_output_tokens. Streaming: the first delta at once, then at most
          one response per stream_flush_ms (config.pbtxt; per request in sampling_parameters).
@@ -22,14 +24,14 @@ parameters. The logic lives in mmserve.serving.llm; see docs/tensors.md, docs/RE
 """
 
 import functools
-import gc
 import json
 import logging
 import os
+import threading
 
 import triton_python_backend_utils as pb_utils
 
-from mmserve.serving.embedded import exit_soon_after_finalize, exit_with_server, freeze_startup_heap, use_utf8_locale
+from mmserve.serving.embedded import finish_stub, freeze_startup_heap, prepare_stub, server_gone, use_utf8_locale
 
 use_utf8_locale()  # first: before torch or vLLM read a file (see its docstring)
 
@@ -42,6 +44,8 @@ logger = logging.getLogger("mm_llm")
 
 class TritonPythonModel:
     def initialize(self, args):
+        # tritonserver killed or crashed: take the engine's processes along (the stub alone wouldn't).
+        prepare_stub(pb_utils, on_server_exit=self._kill_engine)
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("mm_llm must be decoupled (model_transaction_policy)")
@@ -58,9 +62,12 @@ class TritonPythonModel:
         self.service = LLMService.start(config, stat_loggers=[stat_logger], health=health, on_failure=self._unload,
                                         stream_flush_ms=flush_ms)
         self.family = self.service.family
-        # tritonserver killed or crashed: take the engine's processes along (the stub alone wouldn't).
-        exit_with_server(lambda: self.service.runner.kill())
         freeze_startup_heap()
+
+    def _kill_engine(self):
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.runner.kill()
 
     def _progress(self):
         service = getattr(self, "service", None)
@@ -70,6 +77,8 @@ class TritonPythonModel:
     def _unload(self, reason):
         """After an engine failure: Triton unloads this model (readiness false); the keeper beside
         the server loads it back with a new engine (mmserve.serving.keeper)."""
+        if server_gone():  # the call would never return (and hold the GIL meanwhile)
+            return
         try:
             pb_utils.unload_model(self.model_name)
             logger.warning("unloading %s after an engine failure (%s)", self.model_name, reason)
@@ -87,6 +96,11 @@ class TritonPythonModel:
                     self.service.cancel(cancel.reshape(-1)[0].decode("utf-8", "replace"))
                     sink.send_final()
                     continue
+                drain = get("drain")
+                if drain is not None and drain.size:
+                    threading.Thread(target=self._drain, args=(float(drain.reshape(-1)[0]), sink),
+                                     name="mm_llm-drain", daemon=True).start()
+                    continue
                 parsed = parse_request(self.family, get, vocab_size=self.service.vocab_size)
             except Exception as exc:  # noqa: BLE001 - every failure is answered (triton_error scrubs it)
                 sink.send_error(exc)
@@ -97,12 +111,14 @@ class TritonPythonModel:
             self.service.submit(parsed, sink, request_id, client_id=client_id or None)
         return None
 
+    def _drain(self, grace_s, sink):
+        ended = self.service.drain(grace_s)
+        logger.info("drained: %d request(s) ended UNAVAILABLE after the %.1f-s grace period", ended, grace_s)
+        sink.send_final()
+
     def finalize(self):
         self.service.shutdown()  # requests still in flight are answered; then no stats arrive
         if TritonSink.unfinished():
             logger.error("stopping with %d request(s) without a final response", TritonSink.unfinished())
         self.metrics.close()
-        # Now, while the stub can still free them: response senders held in reference cycles (an
-        # exception's traceback) freed at interpreter exit crash the stub (Triton 2.51).
-        gc.collect()
-        exit_soon_after_finalize()  # a stub that hangs on its way out would block the server's stop
+        finish_stub()

@@ -30,7 +30,7 @@ import json
 import logging
 import os
 
-from mmserve.serving.embedded import freeze_startup_heap, use_utf8_locale
+from mmserve.serving.embedded import finish_stub, freeze_startup_heap, prepare_stub, use_utf8_locale
 
 use_utf8_locale()  # first: before torch or vLLM read a file (see its docstring)
 
@@ -59,6 +59,7 @@ def _items(array):
 
 class TritonPythonModel:
     def initialize(self, args):
+        prepare_stub(pb_utils)
         model_config = json.loads(args["model_config"])
         config = parameters(model_config)
         instances = sum(group.get("count", 1) for group in model_config.get("instance_group", [])) or 1
@@ -84,6 +85,9 @@ class TritonPythonModel:
             except Exception as exc:
                 responses.append(error_response(pb_utils, exc, context="preprocess"))
         return responses
+
+    def finalize(self):
+        finish_stub()
 
     def _preprocess(self, request):
         text = _input(request, "text_input")

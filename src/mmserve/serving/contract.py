@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from mmserve.families import FAMILIES, FieldSpec
-from mmserve.wire import CANCEL, GENERATION_INPUTS, TEXT_INPUT
+from mmserve.wire import CANCEL, DRAIN, GENERATION_INPUTS, TEXT_INPUT
 
 INPUT_IDS = FieldSpec(
     "input_ids", "int64", ("tokens",),
@@ -41,5 +41,5 @@ def empty_feature(spec: FieldSpec) -> np.ndarray:
     return np.zeros(tuple(max(d, 0) for d in spec.triton_dims), dtype=spec.dtype)
 
 
-MM_LLM_INPUTS: tuple[FieldSpec, ...] = (INPUT_IDS, *FEATURE_TENSORS, TEXT_INPUT, *GENERATION_INPUTS, CANCEL)
+MM_LLM_INPUTS: tuple[FieldSpec, ...] = (INPUT_IDS, *FEATURE_TENSORS, TEXT_INPUT, *GENERATION_INPUTS, CANCEL, DRAIN)
 """What ``mm_llm`` takes, in its config.pbtxt's order: only ``input_ids`` is required."""

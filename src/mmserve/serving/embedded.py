@@ -1,7 +1,8 @@
 """What a Triton Python-backend stub lacks: a UTF-8 locale in its embedded interpreter (the adapters,
 ``model_repository/*/1/model.py``, call ``use_utf8_locale`` first, before torch or vLLM are imported),
 processes it starts that end with it and with its server (``exit_with_server``,
-``die_with_triton_stub``), and a garbage collector that skips the startup heap (``freeze_startup_heap``)."""
+``die_with_triton_stub``), Python logging in the server's log, a stack dump on demand
+(``prepare_stub``), and a garbage collector that skips the startup heap (``freeze_startup_heap``)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,77 @@ def die_with_triton_stub() -> bool:
     return True
 
 
+STACK_DUMP_SIGNAL = "SIGUSR1"
+"""On this signal a stub writes every thread's stack to the server log (``prepare_stub``); the
+launcher sends it to the stubs of a stop that nears its exit timeout (``mmserve_dev.triton``)."""
+
+
+def prepare_stub(pb_utils: object, *, on_server_exit: Callable[[], None] = lambda: None) -> None:
+    """Call first in a model's ``initialize``: Python ``logging`` (INFO and up, every logger that
+    propagates to the root) goes to the server's log through the Python backend's logger
+    (``pb_utils.Logger``; nothing configures logging in a stub, and only warnings would reach
+    stderr); ``STACK_DUMP_SIGNAL`` dumps every thread's stack to the log; and the stub exits once
+    tritonserver is gone (``exit_with_server``, after ``on_server_exit``)."""
+    import faulthandler
+    import signal
+    import sys
+
+    forward_logging_to_triton(pb_utils)
+    faulthandler.register(getattr(signal, STACK_DUMP_SIGNAL), file=sys.stderr, all_threads=True)
+    exit_with_server(on_server_exit)
+
+
+class _TritonLogHandler(logging.Handler):
+    """Writes records through ``pb_utils.Logger`` (a call into the server: on the listener's thread)."""
+
+    def __init__(self, pb_utils: object) -> None:
+        super().__init__()
+        log = pb_utils.Logger  # type: ignore[attr-defined]
+        self._by_level = ((logging.ERROR, log.log_error), (logging.WARNING, log.log_warn),
+                          (logging.INFO, log.log_info), (logging.NOTSET, log.log_verbose))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = self.format(record)
+            write = next(write for level, write in self._by_level if record.levelno >= level)
+            write(message)
+        except Exception:  # noqa: BLE001 - logging must never break the model
+            self.handleError(record)
+
+
+_listener = None
+
+
+def forward_logging_to_triton(pb_utils: object, level: int = logging.INFO) -> None:
+    """Route the root logger to the server's log, through a queue: a log call anywhere (the engine's
+    loop included) only enqueues; one thread makes the calls into the server. Idempotent."""
+    global _listener
+    import logging.handlers
+    import queue
+
+    if _listener is not None:
+        return
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    handler = _TritonLogHandler(pb_utils)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    _listener = logging.handlers.QueueListener(records, handler)
+    _listener.start()
+    root = logging.getLogger()
+    root.addHandler(logging.handlers.QueueHandler(records))
+    root.setLevel(level)
+
+
+CLEANUP_DEADLINE_S = 3.0
+"""Once its server is gone, the longest a stub spends on its cleanup before it exits regardless."""
+_server_gone = False
+
+
+def server_gone() -> bool:
+    """True once this stub's tritonserver is known to be gone (``exit_with_server``): make no call
+    into it any more (such a call never returns, and may hold the GIL while it waits)."""
+    return _server_gone
+
+
 def exit_with_server(cleanup: Callable[[], None], interval_s: float = 1.0) -> threading.Thread:
     """In a Triton stub: once tritonserver is gone (this process was re-parented), run ``cleanup``
     (``mm_llm``: SIGKILL the engine's processes, remove their shared memory) and exit at once.
@@ -75,23 +147,68 @@ def exit_with_server(cleanup: Callable[[], None], interval_s: float = 1.0) -> th
     after tritonserver's SIGKILL), and the engine it started would run on with it, holding the
     model's memory. Returns the watching thread (a daemon).
     """
+    import faulthandler
     import os
+    import sys
     import time
 
     server = os.getppid()
 
     def watch() -> None:
+        global _server_gone
         while True:
             time.sleep(interval_s)
             if os.getppid() != server:
+                _server_gone = True
+                # A thread blocked in a call into the dead server may hold the GIL for good (the
+                # Python backend's unload_model and metric calls wait for an answer without
+                # releasing it): faulthandler's watchdog, a C thread, ends the process regardless.
+                faulthandler.dump_traceback_later(CLEANUP_DEADLINE_S, exit=True, file=sys.stderr)
                 try:
                     cleanup()
+                    remove_own_shm_region()
                 finally:
                     os._exit(1)
 
     thread = threading.Thread(target=watch, name="mmserve-server-watch", daemon=True)
     thread.start()
     return thread
+
+
+def finish_stub(exit_after_s: float = 5.0) -> None:
+    """Call last in a model's ``finalize``: stop forwarding logs (no call into the server after its
+    model is finalized), free garbage cycles while the stub still can (a response sender freed at
+    interpreter exit crashed the stub on 2.51), and ``exit_soon_after_finalize``."""
+    global _listener
+    import logging.handlers
+
+    if _listener is not None:
+        _listener.stop()  # what was logged so far goes out first
+        _listener = None
+        root = logging.getLogger()
+        for handler in [h for h in root.handlers if isinstance(h, logging.handlers.QueueHandler)]:
+            root.removeHandler(handler)
+    gc.collect()
+    exit_soon_after_finalize(exit_after_s)
+
+
+def remove_own_shm_region() -> bool:
+    """Remove this stub's Python-backend shared-memory region (``/dev/shm/<its name>``, the stub's
+    second argument), which its server, gone, can't remove any more; True if removed."""
+    import os
+
+    try:
+        with open("/proc/self/cmdline", "rb") as cmdline:
+            argv = cmdline.read().split(b"\0")
+        if os.path.basename(argv[0].decode()) != STUB_EXECUTABLE or len(argv) < 3:
+            return False
+        name = argv[2].decode()
+        if "/" in name or not name:
+            return False
+        os.unlink(os.path.join("/dev/shm", name))
+        return True
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def exit_soon_after_finalize(seconds: float = 5.0) -> None:

@@ -26,7 +26,7 @@ from vllm.exceptions import VLLMClientError
 from vllm.outputs import RequestOutput
 
 from mmserve import wire
-from mmserve.engine import EngineRunner
+from mmserve.engine import SHUTDOWN_GRACE_S, EngineRunner
 from mmserve.errors import CancelledError, InputError, ServiceError, UnavailableError, public_error
 from mmserve.families import FamilySpec
 from mmserve.inputs import family_of_checkpoint, processed_prompt, read_engine_config
@@ -41,6 +41,10 @@ FLAG_INPUTS = wire.names(wire.FLAG_INPUTS)
 
 CANCEL_POLL_S = 0.1
 """How often the watcher asks Triton whether the clients of the requests in flight cancelled them."""
+
+STOP_WAIT_S = 2.0
+"""At a stop or a drain, the longest wait for each step: the requests cancelled to answer, the
+responses to go out, the watcher to end (the engine's own stop: ``mmserve.engine.SHUTDOWN_GRACE_S``)."""
 
 EARLY_CANCEL_S = 60.0
 """How long a cancel for a request id not in flight (yet) is remembered (``LLMService.cancel``)."""
@@ -269,6 +273,7 @@ class LLMService:
         self._idle.set()
         self._failure: str | None = None
         self._stopping = threading.Event()
+        self._draining = threading.Event()  # drain(): no new requests
         self._reporting = threading.RLock()  # held around on_failure; shutdown waits for it
         self._last_progress = time.monotonic()
         self._outbox = Outbox("mmserve-responses")
@@ -291,8 +296,8 @@ class LLMService:
         if self._failure is not None:
             return UnavailableError(f"the engine failed ({self._failure}); the model is being restarted, "
                                     "retry shortly")
-        if self._stopping.is_set():
-            return UnavailableError("the model is shutting down")
+        if self._stopping.is_set() or self._draining.is_set():
+            return UnavailableError("the server is stopping; retry on another replica or later")
         return None
 
     # -- requests ------------------------------------------------------------------------------
@@ -527,25 +532,55 @@ class LLMService:
                 else:
                     self._on_failure(reason)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop: requests still in flight are answered UNAVAILABLE, then the engine stops. Every
-        response is sent before this returns (Triton must get none after the model's finalize)."""
+    def in_flight(self) -> int:
         with self._lock:
-            self._stopping.set()
+            return len(self._in_flight)
+
+    def drain(self, grace_s: float) -> int:
+        """Before a stop: refuse new requests (``UNAVAILABLE``, "the server is stopping"), give the
+        ones in flight ``grace_s`` to finish, then end the rest ``UNAVAILABLE``; returns how many
+        were ended so. Blocks until every request in flight has its final response.
+
+        Triton unloads a model only once no request holds it, and a long generation would hold the
+        whole stop (``--exit-timeout-secs``) until it ends: ``mmserve.drain`` calls this (through
+        ``mm_llm``'s ``drain`` control input) before the server is signalled."""
+        self._draining.set()
+        if self._idle.wait(max(grace_s, 0.0)):
+            return 0
+        ended = self._end_in_flight()
+        if not self._idle.wait(STOP_WAIT_S):
+            logger.warning("drain: %d request(s) still in flight", self.in_flight())
+        self._outbox.flush(STOP_WAIT_S)
+        return ended
+
+    def _end_in_flight(self) -> int:
+        """Cancel every request in flight on the loop: each is answered ``_unavailable()``."""
+        with self._lock:
             in_flight = list(self._in_flight.values())
-        if self._reporting.acquire(timeout=timeout):  # an on_failure call in progress ends first
-            self._reporting.release()
-        else:
-            logger.warning("shutting down while the engine failure is still being reported")
         for entry in in_flight:
             if entry.future is not None:
                 entry.future.cancel()
-        if not self._idle.wait(timeout):
-            logger.warning("shutting down with %d request(s) in flight", len(self._in_flight))
-        self._outbox.close(timeout)
+        return len(in_flight)
+
+    def shutdown(self) -> None:
+        """Stop within a bounded time: requests still in flight are answered UNAVAILABLE, then the
+        engine stops (vLLM gets ``SHUTDOWN_GRACE_S``, then its processes are killed). Every response
+        is sent before this returns (Triton must get none after the model's finalize)."""
+        started = time.monotonic()
+        with self._lock:
+            self._stopping.set()
+        if self._reporting.acquire(timeout=STOP_WAIT_S):  # an on_failure call in progress ends first
+            self._reporting.release()
+        else:
+            logger.warning("shutting down while the engine failure is still being reported")
+        self._end_in_flight()
+        if not self._idle.wait(STOP_WAIT_S):
+            logger.warning("shutting down with %d request(s) in flight", self.in_flight())
+        self._outbox.close(STOP_WAIT_S)
         if threading.current_thread() is not self._watcher:
-            self._watcher.join(timeout)
-        self.runner.shutdown()
+            self._watcher.join(STOP_WAIT_S)
+        self.runner.shutdown(timeout=SHUTDOWN_GRACE_S + STOP_WAIT_S)  # then its processes are killed
+        logger.info("stopped in %.1f s", time.monotonic() - started)
 
 
 def _send_output(sink: ResponseSink, request: GenerateRequest, output: RequestOutput) -> None:

@@ -1,7 +1,15 @@
-"""Run tritonserver (CPU, Python backend) in the foreground on 127.0.0.1; Ctrl-C or SIGTERM stops it.
+"""Run tritonserver (CPU, Python backend) in the foreground on 127.0.0.1, and optionally the OpenAI
+gateway beside it; SIGINT (Ctrl-C), SIGTERM or SIGHUP stops everything, however this was started.
 
     python -m mmserve_dev.triton --model-repository model_repository \
-        [--http-port 8000 --grpc-port 8001 --metrics-port 8002] [--log-verbose 1]
+        [--http-port 8000 --grpc-port 8001 --metrics-port 8002] [--openai-port 9000] [--log-verbose 1]
+
+A stop: ``mm_llm`` is drained (``mmserve.drain``: the generations in flight get ``--drain-grace-s``,
+then end UNAVAILABLE), the gateway stops (uvicorn's graceful shutdown), then tritonserver (SIGINT,
+``--exit-timeout-secs``), and what is left of its process group is killed, its shared memory
+removed. If this process itself is killed (SIGKILL, the OOM killer), the kernel kills tritonserver
+and the gateway with it (their parent-death signal), and the stubs follow their server
+(``mmserve.serving.embedded.exit_with_server``).
 """
 
 from __future__ import annotations
@@ -9,12 +17,47 @@ from __future__ import annotations
 import argparse
 import contextlib
 import signal
+import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 
 from mmserve_dev.triton.install import TritonServerError
-from mmserve_dev.triton.process import TritonServer
+from mmserve_dev.triton.process import TritonServer, die_with_this_process
+
+GATEWAY_START_TIMEOUT_S = 60.0
+GATEWAY_STOP_TIMEOUT_S = 8.0
+"""uvicorn's graceful shutdown (5 s, ``mmserve.gateway``) and a little."""
+
+
+def start_gateway(server: TritonServer, host: str, port: int) -> subprocess.Popen[bytes]:
+    """``python -m mmserve.gateway`` against ``server``, dying with this process; returns once it serves."""
+    cmd = die_with_this_process([sys.executable, "-m", "mmserve.gateway", "--triton-url", server.grpc_url,
+                                 "--host", host, "--port", str(port), "--log-level", "warning"])
+    gateway = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + GATEWAY_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if gateway.poll() is not None:
+            raise TritonServerError(f"the OpenAI gateway exited with code {gateway.returncode} at start")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+                return gateway
+        except OSError:
+            time.sleep(0.3)
+    stop_gateway(gateway)
+    raise TritonServerError(f"the OpenAI gateway did not answer within {GATEWAY_START_TIMEOUT_S:.0f} s")
+
+
+def stop_gateway(gateway: subprocess.Popen[bytes] | None) -> None:
+    if gateway is None or gateway.poll() is not None:
+        return
+    gateway.terminate()
+    try:
+        gateway.wait(GATEWAY_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        gateway.kill()
+        gateway.wait()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--openai-port", type=int, default=None,
+                        help="also run the OpenAI gateway (python -m mmserve.gateway) on this port")
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--log-file", default=None,
                         help="server log (default: a temporary file; '-': this process's stdout, as in a container)")
@@ -39,6 +84,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for readiness")
     parser.add_argument("--keep-loaded", default="", metavar="MODEL,MODEL",
                         help="load these back when the first unloads itself after a fault (mmserve.serving.keeper)")
+    parser.add_argument("--drain", default="mm_llm", metavar="MODEL",
+                        help="the model drained first at a stop (mmserve.drain; '' for none; default %(default)s)")
+    parser.add_argument("--drain-grace-s", type=float, default=2.0,
+                        help="how long generations in flight may still run at a stop (default %(default)s)")
+    parser.add_argument("--exit-timeout-s", type=int, default=12,
+                        help="tritonserver's --exit-timeout-secs: the unload's budget after the drain")
     parser.add_argument("--hint", default="", help="printed once ready; {http} and {grpc} are replaced by the URLs")
     args = parser.parse_args(argv)
 
@@ -55,16 +106,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         shm_default_byte_size=args.shm_default_byte_size,
         keep_loaded=[name for name in args.keep_loaded.split(",") if name],
         host=args.host,
+        drain=args.drain or None,
+        drain_grace_s=args.drain_grace_s,
+        exit_timeout_s=args.exit_timeout_s,
     )
 
-    def on_sigterm(signum: int, frame: object) -> None:
+    def on_signal(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_sigterm)
-    # Ctrl-C even when started in the background by a non-interactive shell (which ignores SIGINT).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    with contextlib.suppress(AttributeError):
-        signal.signal(signal.SIGHUP, on_sigterm)
+    # SIGINT too: a program started in the background by a script starts with SIGINT ignored.
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        with contextlib.suppress(AttributeError):
+            signal.signal(getattr(signal, name), on_signal)
+    gateway = None
+    code = 0
     try:
         print(f"starting tritonserver (log: {server.log_path or 'stdout'}) ...", flush=True)
         t0 = time.monotonic()
@@ -73,27 +128,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"HTTP     {server.http_url}", flush=True)
         print(f"gRPC     {server.grpc_url}", flush=True)
         print(f"metrics  {server.metrics_url}", flush=True)
+        if args.openai_port is not None:
+            gateway = start_gateway(server, args.host, args.openai_port)
+            print(f"OpenAI   http://127.0.0.1:{args.openai_port}/v1  (chat completions, models; /health)", flush=True)
         if args.hint:
-            print(args.hint.format(http=server.http_url, grpc=server.grpc_url), flush=True)
+            print(args.hint.format(http=server.http_url, grpc=server.grpc_url, openai=args.openai_port),
+                  flush=True)
         print("Ctrl-C to stop", flush=True)
-        while server.is_running():
+        while server.is_running() and (gateway is None or gateway.poll() is None):
             time.sleep(0.5)
-        print(f"tritonserver exited by itself (code {server.process.returncode}); log tail:", file=sys.stderr)
-        print(server.log_tail(), file=sys.stderr)
-        return 1
+        if not server.is_running():
+            print(f"tritonserver exited by itself (code {server.process.returncode}); log tail:", file=sys.stderr)
+            print(server.log_tail(), file=sys.stderr)
+        else:
+            print(f"the OpenAI gateway exited by itself (code {gateway.returncode}); stopping", file=sys.stderr)
+        code = 1
     except KeyboardInterrupt:
         print("stopping ...", flush=True)
-        return 0
     except TritonServerError as exc:
         print(exc, file=sys.stderr)
-        return 1
+        code = 1
     finally:
-        # Ignore further Ctrl-C/SIGTERM while tearing down, so cleanup can't be interrupted.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        code = server.stop()
-        if code is not None:
-            print(f"stopped (exit code {code})", flush=True)
+        # Ignore further signals while tearing down, so cleanup can't be interrupted.
+        for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+            with contextlib.suppress(AttributeError):
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
+        started = time.monotonic()
+        server.drain_now()  # the streams in flight end first, while the gateway can still relay it
+        stop_gateway(gateway)
+        server_code = server.stop()
+        if server_code is not None:
+            print(f"stopped in {time.monotonic() - started:.1f} s (tritonserver's exit code {server_code})", flush=True)
+            code = code or (0 if server_code == 0 else 1)
+    return code
 
 
 if __name__ == "__main__":

@@ -118,6 +118,37 @@ _LIVE_LOCK = threading.Lock()
 _SERVER_COUNTER = itertools.count()
 
 
+def die_with_this_process(cmd: list[str]) -> list[str]:
+    """``cmd`` run under ``setpriv --pdeathsig KILL``: the kernel SIGKILLs it when this process dies
+    without stopping it (SIGKILLed, the OOM killer, a test timeout). The signal fires when the
+    *thread* that started the child ends, so only from the main thread; elsewhere (or without
+    util-linux's ``setpriv``) ``cmd`` is returned as it is."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or threading.current_thread() is not threading.main_thread():
+        return list(cmd)
+    return [setpriv, "--pdeathsig", "KILL", "--", *cmd]
+
+
+def dump_stacks(pids: Iterable[int]) -> list[int]:
+    """Send ``STACK_DUMP_SIGNAL`` to every process of ``pids`` that catches it (the project's stubs:
+    ``mmserve.serving.embedded.prepare_stub``; its default action would end any other), so that
+    each writes its threads' stacks to the server log; returns the pids signalled."""
+    from mmserve.serving.embedded import STACK_DUMP_SIGNAL
+
+    number = getattr(signal, STACK_DUMP_SIGNAL)
+    sent = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as status:
+                caught = next(int(line.split()[1], 16) for line in status if line.startswith("SigCgt:"))
+            if caught & (1 << (number - 1)):
+                os.kill(pid, number)
+                sent.append(pid)
+        except (OSError, StopIteration, ValueError):
+            continue
+    return sent
+
+
 def _stop_all_at_exit() -> None:
     with _LIVE_LOCK:
         servers = list(_LIVE_SERVERS)
@@ -163,6 +194,9 @@ class TritonServer:
         keep_loaded: models a ``mmserve.serving.keeper.ModelKeeper`` loads back once the first of
             them unloads itself after a fault (``("mm_llm", "mm_ensemble")`` for this project's
             repository); it runs from the server's readiness until ``stop``.
+        drain: the model ``stop`` drains first (``mmserve.drain``: ``mm_llm`` for this project's
+            repository; None: none), giving the generations in flight ``drain_grace_s`` before they
+            are ended UNAVAILABLE, so that the unload that follows has the whole exit timeout.
     """
 
     def __init__(
@@ -187,6 +221,8 @@ class TritonServer:
         die_with_parent: bool = True,
         keep_loaded: Sequence[str] = (),
         host: str = "127.0.0.1",
+        drain: str | None = None,
+        drain_grace_s: float = 2.0,
     ) -> None:
         if isinstance(model_repository, (str, os.PathLike)):
             model_repository = [model_repository]
@@ -216,6 +252,7 @@ class TritonServer:
         self.exit_timeout_s = exit_timeout_s
         self.keep_loaded = list(keep_loaded)
         self.host = host
+        self.drain, self.drain_grace_s = drain, drain_grace_s
         self.keeper = None
         self.process: subprocess.Popen[bytes] | None = None
         self._pgid: int | None = None
@@ -344,11 +381,8 @@ class TritonServer:
         cmd = self.command()
         env = self.environment()
         remove_stale_shm()
-        setpriv = shutil.which("setpriv")
-        if self.die_with_parent and setpriv and threading.current_thread() is threading.main_thread():
-            # SIGKILL the server if this process dies without stopping it (killed by a test timeout,
-            # say). PR_SET_PDEATHSIG fires when the *thread* that started the server ends: main thread only.
-            cmd = [setpriv, "--pdeathsig", "KILL", "--", *cmd]
+        if self.die_with_parent:
+            cmd = die_with_this_process(cmd)
         if self.log_path is None:
             print(f"$ {' '.join(cmd)}", flush=True)
         else:
@@ -398,9 +432,10 @@ class TritonServer:
             time.sleep(0.1)
 
     def stop(self, timeout: float | None = None) -> int | None:
-        """Stop the server: SIGINT, wait up to ``timeout`` s (default: exit_timeout_s + 3, the time it
-        may spend on in-flight requests and the models' finalize(), and a little), then SIGKILL the
-        whole process group.
+        """Stop the server: drain ``drain`` (up to ``drain_grace_s``), SIGINT, wait up to ``timeout``
+        s (default: exit_timeout_s + 3, the time it may spend on in-flight requests and the models'
+        finalize(), and a little; 2 s before its exit timeout, every stub that can is asked for its
+        threads' stacks, into the log), then SIGKILL the whole process group.
 
         Afterwards no process of the group is left and the server's /dev/shm regions are removed.
         Idempotent. Returns the server's exit code (None if it was never started).
@@ -418,12 +453,17 @@ class TritonServer:
             mapped = shm_files_mapped(_group_members(pgid)) if pgid is not None else set()
             if proc is not None:
                 if proc.poll() is None:
+                    self.drain_now()
+                    signalled = time.monotonic()
                     with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(signal.SIGINT)
                     try:
-                        proc.wait(timeout=timeout)
+                        proc.wait(timeout=max(self.exit_timeout_s - 2.0, 0.0))
                     except subprocess.TimeoutExpired:
-                        pass
+                        if pgid is not None:
+                            dump_stacks(_group_members(pgid))
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            proc.wait(timeout=max(timeout - (time.monotonic() - signalled), 0.0))
                 code = proc.poll()
             if pgid is not None:
                 mapped |= shm_files_mapped(_group_members(pgid))
@@ -442,6 +482,14 @@ class TritonServer:
             with _LIVE_LOCK:
                 _LIVE_SERVERS.discard(self)
             return code
+
+    def drain_now(self) -> bool:
+        """Drain ``drain`` (``mmserve.drain``) if it is set and the server runs; True if it answered."""
+        if not (self.drain and self.is_running() and self.grpc_port is not None):
+            return False
+        from mmserve.drain import drain
+
+        return drain(self.grpc_url, self.drain_grace_s, llm=self.drain)
 
     @staticmethod
     def _kill_group(pgid: int, grace: float) -> None:
