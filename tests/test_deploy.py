@@ -214,9 +214,15 @@ def test_grace_period_covers_tritons_exit_timeout():
     assert "--model-control-mode=explicit" in cmd  # mm_llm's unload and the keeper's load need it
     (exit_timeout,) = [int(a.split("=", 1)[1]) for a in cmd if a.startswith("--exit-timeout-secs=")]
     pod = _one("Deployment")["spec"]["template"]["spec"]
-    pre_stop = _container(_one("Deployment"), "triton").get("lifecycle", {}).get("preStop", {})
-    sleep = int(pre_stop["exec"]["command"][-1]) if pre_stop else 0
-    assert pod["terminationGracePeriodSeconds"] >= sleep + exit_timeout + 10
+    pre_stop = _container(_one("Deployment"), "triton")["lifecycle"]["preStop"]["exec"]["command"]
+    # sh -c "sleep S && python3 -m mmserve.drain --url 127.0.0.1:8001 --grace-s G"
+    script = pre_stop[-1]
+    sleep = int(re.search(r"sleep (\d+)", script).group(1))
+    grace = float(re.search(r"--grace-s (\d+(?:\.\d+)?)", script).group(1))
+    assert pre_stop[:2] == ["sh", "-c"] and "python3 -m mmserve.drain --url 127.0.0.1:8001" in script
+    from mmserve.drain import ANSWER_MARGIN_S
+
+    assert pod["terminationGracePeriodSeconds"] >= sleep + grace + ANSWER_MARGIN_S + exit_timeout, script
 
 
 def test_the_keeper_runs_beside_the_server():

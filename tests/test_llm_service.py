@@ -172,7 +172,7 @@ def test_cancelled_request_is_aborted_on_the_engine(service, omni_workload, stre
     max_tokens = ENGINE_ARGS["max_model_len"] - 100  # runs to this length unless aborted
     _run(service, _request(service, request, stream=stream, max_tokens=max_tokens, ignore_eos=True), sink,
          f"cancel-{stream}")
-    assert sink.closed_empty and not sink.errors
+    assert [error.triton_code for error in sink.errors] == ["CANCELLED"] and not sink.closed_empty
     deadline = time.monotonic() + 120
     while service.runner.engine.get_num_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from utils import MAX_TOKENS, ROOT, generated_after_cancel
+from utils import MAX_TOKENS, ROOT, assert_cancel_stopped_the_engine, generated_after_cancel
 from utils import client as triton_client
 from utils import sampling as _sampling
 
@@ -287,6 +287,6 @@ def test_a_client_disconnect_aborts_the_engine_request(server, gateway):
             model="mm_ensemble", messages=[{"role": "user", "content": "Count."}], stream=True, max_tokens=3000,
             extra_body={"ignore_eos": True}))
 
-    at_cancel, total = generated_after_cancel(server, start)
-    print(f"\ngateway stream: disconnected at {at_cancel:.0f} tokens, {total:.0f} in all")
-    assert total < min(at_cancel + 500, 2500), (at_cancel, total)  # of 3000
+    tries = generated_after_cancel(server, start, max_tokens=3000)
+    print(f"\ngateway stream: (tokens when disconnected, in all) per try: {tries}")
+    assert_cancel_stopped_the_engine(tries, 3000)

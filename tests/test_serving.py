@@ -292,3 +292,18 @@ def test_an_engine_failure_is_not_reported_once_the_model_stops(tiny_models):
     events.append("stopped")
     failing.join(10)
     assert events == ["reported injected", "stopped"]
+
+
+def test_drain_without_a_server_says_so():
+    """``python -m mmserve.drain`` (the pod's preStop) exits 1, quickly, when no server answers."""
+    import subprocess
+    import sys
+
+    from mmserve_dev.triton import free_ports
+
+    [port] = free_ports(1)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "mmserve.drain", "--url", f"127.0.0.1:{port}", "--grace-s", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "could not drain mm_llm" in done.stderr, done
+    assert time.monotonic() - started < 30
