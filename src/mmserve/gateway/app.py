@@ -206,6 +206,7 @@ class _Answer:
         self.chat, self.id, self.model = chat, completion_id, model
         self.created = int(time.time())
         self.text: list[str] = []
+        self.token_ids: list[int] = []
         self.logprobs: list[dict[str, Any]] = []
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -218,6 +219,7 @@ class _Answer:
             self.prompt_tokens = delta.num_input_tokens
         self.completion_tokens += delta.num_output_tokens
         self.text.append(delta.text)
+        self.token_ids += delta.token_ids
         entries = None
         if self.chat.logprobs:
             entries = openai_logprobs(delta.logprobs or [], delta.token_ids, self.chat.top_logprobs or 0)
@@ -243,18 +245,21 @@ class _Answer:
                 "message": {"role": "assistant", "content": "".join(self.text), "refusal": None},
                 "logprobs": {"content": self.logprobs, "refusal": None} if self.chat.logprobs else None,
                 "finish_reason": self.finish_reason,
+                **({"token_ids": self.token_ids} if self.chat.return_token_ids else {}),
             }],
             "usage": self.usage(),
         }
 
     def chunk(self, delta: dict[str, Any], *, finish_reason: str | None = None,
-              logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              logprobs: list[dict[str, Any]] | None = None, token_ids: list[int] | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "delta": delta,
+                                  "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+                                  "finish_reason": finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         chunk: dict[str, Any] = {
             "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-            "system_fingerprint": None,
-            "choices": [{"index": 0, "delta": delta,
-                         "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
-                         "finish_reason": finish_reason}],
+            "system_fingerprint": None, "choices": [choice],
         }
         if self.include_usage:
             chunk["usage"] = None
@@ -287,7 +292,10 @@ async def _events(answer: _Answer, first: Delta, deltas: AsyncIterator[Delta]) -
         delta: Delta | None = first
         while delta is not None:
             entries = answer.add(delta)
-            if entries is None and delta.text:
+            if answer.chat.return_token_ids:
+                if delta.text or delta.token_ids:
+                    yield _sse(answer.chunk({"content": delta.text}, logprobs=entries, token_ids=delta.token_ids))
+            elif entries is None and delta.text:
                 yield answer.content_event(delta.text)
             elif delta.text or entries:
                 yield _sse(answer.chunk({"content": delta.text}, logprobs=entries))

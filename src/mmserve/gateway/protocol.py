@@ -117,6 +117,7 @@ class ChatCompletionRequest(_Strict):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    return_token_ids: bool | None = None  # each choice (each chunk's, streamed) carries its token ids
     # accepted, no effect
     user: str | None = None
     metadata: dict[str, str] | None = None
