@@ -461,7 +461,7 @@ class Preprocessing:
 
 
 async def raw_tensors(request: Request) -> dict[str, np.ndarray]:
-    """What ``mm_ensemble`` and ``mm_pipeline`` take: the prompt and the encoded media files."""
+    """What ``mm_ensemble`` takes: the prompt and the encoded media files."""
     tensors = {"text_input": np.array([request.text.encode()], dtype=np.object_)}
     if request.images:
         tensors["image"] = np.array(request.images, dtype=np.object_)

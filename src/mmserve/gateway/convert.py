@@ -1,4 +1,4 @@
-"""OpenAI chat request -> the Triton request tensors of ``mm_pipeline``/``mm_ensemble``, and mm_llm's
+"""OpenAI chat request -> the Triton request tensors of ``mm_ensemble``, and mm_llm's
 ``logprobs`` output -> OpenAI's.
 
 The conversation travels whole in the ``messages`` tensor (UTF-8 JSON, ``preprocess`` applies the
