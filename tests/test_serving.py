@@ -307,3 +307,55 @@ def test_drain_without_a_server_says_so():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "could not drain mm_llm" in done.stderr, done
     assert time.monotonic() - started < 30
+
+
+def test_the_sender_guard_sends_one_final_and_lets_the_sender_go():
+    """mmserve.serving.triton.TritonSink: the first final response goes out, anything after it is
+    dropped; the sender object is released with the final send (Triton frees the request's response
+    factory, which pins the model, only when it goes); a finished request is never asked whether it
+    was cancelled (that crashes Triton 2.51)."""
+    import types
+    import weakref
+
+    from mmserve.errors import UnavailableError
+    from mmserve.serving.triton import TritonSink
+
+    class Sender:
+        def __init__(self) -> None:
+            self.sent: list[tuple[object, int]] = []
+            self.polls = 0
+
+        def send(self, response=None, flags=0) -> None:
+            self.sent.append((response, flags))
+
+        def is_cancelled(self) -> bool:
+            self.polls += 1
+            return False
+
+    class TritonError:
+        INTERNAL, INVALID_ARG, UNAVAILABLE, CANCELLED = range(4)
+
+        def __init__(self, message: str, code: int = 0) -> None:
+            self.message, self.code = message, code
+
+    pb = types.SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=1, TritonError=TritonError,
+                               Tensor=lambda name, array: (name, array),
+                               InferenceResponse=lambda output_tensors=None, error=None: (output_tensors, error))
+    sender = Sender()
+    request = types.SimpleNamespace(get_response_sender=lambda: sender)
+    before = TritonSink.unfinished()
+    sink = TritonSink(pb, request)
+    assert TritonSink.unfinished() == before + 1
+    sink.send({"text_output": np.array([b"a"], dtype=object)}, final=False)
+    assert not sink.is_cancelled() and sender.polls == 1
+    sink.send_error(UnavailableError("the server is stopping"))
+    sink.send_final()
+    sink.send({"text_output": np.array([b"b"], dtype=object)}, final=True)
+    assert [flags for _, flags in sender.sent] == [0, 1]
+    (_, error), _ = sender.sent[1]
+    assert error.message.startswith("[UNAVAILABLE] the server is stopping")
+    assert not sink.is_cancelled() and sender.polls == 1  # not asked once finished
+    assert sink.finished and TritonSink.unfinished() == before
+    held = weakref.ref(sender)
+    del sender, request
+    assert held() is None, "the guard still holds the sender after the final response"

@@ -197,7 +197,7 @@ class EngineRunner:
     def _stop_loop(self) -> None:
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=5)
         if not self._loop.is_running() and not self._loop.is_closed():
             self._loop.close()
 
