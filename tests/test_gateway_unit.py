@@ -267,27 +267,32 @@ def test_delta_from_a_grpc_response_reads_what_tritonclient_decodes(outputs):
 
 
 def test_a_silent_triton_stream_times_out_and_is_cancelled():
-    """A Triton that accepts the stream, answers once, then hangs (a stand-in gRPC server on a real
-    socket: a hung tritonserver can't be made to order): the backend raises a 504 after its
-    response timeout, not never, and cancels the gRPC call, which the server sees."""
+    """A Triton that answers a request once, then nothing (a stand-in gRPC server on a real socket:
+    a hung tritonserver can't be made to order): the backend raises a 504 after its response
+    timeout, not never, and sends mm_llm a cancel for the request on the shared stream, which the
+    server receives; a second request on the same backend is answered meanwhile."""
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
     from mmserve.gateway.triton import TritonBackend
 
-    async def scenario() -> tuple[list[Delta], errors.APIError, float, bool]:
-        cancelled = asyncio.Event()
+    async def scenario() -> tuple[list[Delta], errors.APIError, float, list[tuple[str, str]], list[Delta]]:
+        received: list[tuple[str, str]] = []
+        cancel_seen = asyncio.Event()
 
         class Silent(service_pb2_grpc.GRPCInferenceServiceServicer):
             async def ModelStreamInfer(self, requests, context):
                 async for request in requests:
-                    yield service_pb2.ModelStreamInferResponse(
-                        infer_response=service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id))
-                    try:
-                        await asyncio.Event().wait()  # nothing more, ever
-                    except asyncio.CancelledError:
-                        cancelled.set()
-                        raise
+                    received.append((request.model_name, request.id))
+                    if request.id.endswith(".cancel"):
+                        cancel_seen.set()
+                        continue
+                    response = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
+                    response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
+                    response.raw_output_contents.append(b"\x02\x00\x00\x00ok")
+                    if request.id == "r2":
+                        response.parameters["triton_final_response"].bool_param = True
+                    yield service_pb2.ModelStreamInferResponse(infer_response=response)
 
         server = grpc.aio.server()
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Silent(), server)
@@ -302,17 +307,19 @@ def test_a_silent_triton_stream_times_out_and_is_cancelled():
                 async for delta in backend.generate({"text_input": np.array([b"Hi"], dtype=object)}, "r1"):
                     got.append(delta)
             took = asyncio.get_running_loop().time() - started
-            seen = await asyncio.wait_for(cancelled.wait(), 5) is True
+            await asyncio.wait_for(cancel_seen.wait(), 5)
+            other = [d async for d in backend.generate({"text_input": np.array([b"Hi"], dtype=object)}, "r2")]
         finally:
             await backend.close()
             await server.stop(None)
-        return got, info.value, took, seen
+        return got, info.value, took, received, other
 
-    got, error, took, seen = asyncio.run(scenario())
-    assert len(got) == 1 and got[0].text == ""
+    got, error, took, received, other = asyncio.run(scenario())
+    assert len(got) == 1 and got[0].text == "ok"
     assert (error.status, error.code) == (504, "timeout") and "0.5 s" in error.message, error.body()
     assert 0.5 <= took < 5, took
-    assert seen, "the server never saw the call cancelled"
+    assert received[:2] == [("mm_ensemble", "r1"), ("mm_llm", "r1.cancel")], received
+    assert [d.text for d in other] == ["ok"]
 
 
 @pytest.mark.parametrize("usage", [False, True])

@@ -7,7 +7,7 @@ Run it beside tritonserver (``scripts/serve.sh`` does) or against any Triton gRP
 
 Modules: ``protocol`` (the request's pydantic models, what is accepted and refused), ``convert``
 (request -> the Triton tensors, the ``messages`` conversation; logprobs back), ``media`` (remote
-images, when allowed), ``triton`` (tritonclient's asyncio gRPC client, one stream per request),
+images, when allowed), ``triton`` (one shared gRPC stream for every request, responses told apart by id),
 ``errors`` (OpenAI's error shape and statuses), ``app`` (the FastAPI app), ``__main__`` (the CLI).
 Importing it loads no web framework: ``create_app`` and ``GatewayConfig`` come from ``app``.
 """

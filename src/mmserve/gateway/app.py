@@ -2,7 +2,7 @@
 ``GET /v1/models``, ``GET /health``.
 
 A request: the JSON body read (bounded), validated (``protocol``), converted to Triton tensors
-(``convert``; media decoded from base64 or fetched), sent on its own gRPC stream (``triton``).
+(``convert``; media decoded from base64 or fetched), sent on the shared gRPC stream (``triton``).
 The HTTP status is chosen once the model's first response (or error) is in: an error that Triton
 answers at once (a bad image, too many images, a bad sampling value, the engine down) is a proper
 400/503, not a broken stream. A client that goes away (streaming or not) cancels the Triton

@@ -1,16 +1,17 @@
-"""The gateway's Triton side: ``tritonclient``'s asyncio gRPC client, one bidirectional stream per
-request, to ``mm_ensemble`` (default) or any model with its tensors.
+"""The gateway's Triton side: one long-lived bidirectional gRPC stream (``ModelStreamInfer``) that
+carries every request to ``mm_ensemble`` (default) or any model with its tensors, responses told
+apart by request id.
 
-A request is sent on its own stream, which is then half-closed: Triton ends the stream after the
-request's last response. Leaving the response iteration early (the HTTP client went away, the
-task was cancelled, Triton sent nothing for ``response_timeout_s``) cancels the gRPC call, and
-sends ``mm_llm`` a cancel for the request's id (``mmserve.client.cancel_tensors``): Triton's
-ensemble scheduler does not carry a cancellation into the running ``mm_llm`` step.
+Leaving a request's response iteration early (the HTTP client went away, the task was cancelled,
+Triton sent nothing for ``response_timeout_s``) sends ``mm_llm`` a cancel for the request's id on
+the same stream (``mmserve.client.cancel_tensors``): it aborts the engine request, which Triton's
+ensemble scheduler would not do for a cancelled stream either.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from mmserve.client import CANCEL_TIMEOUT_S, LLM, cancel_tensors, grpc_inputs
+from mmserve.client import LLM, cancel_tensors
 from mmserve.gateway.errors import (
     APIError,
     from_grpc,
@@ -29,6 +30,8 @@ from mmserve.gateway.errors import (
 )
 
 HEALTH_TIMEOUT_S = 5.0
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
+"""As tritonclient sets them: a request carries its media (up to the gateway's --max-request-bytes)."""
 
 
 @dataclass
@@ -48,11 +51,20 @@ _NUMERIC = {"INT64": np.int64, "INT32": np.int32, "UINT32": np.uint32, "UINT64":
 
 def delta_from(result: Any) -> Delta:
     """A ``Delta`` from a tritonclient ``InferResult``: read from its gRPC message in one pass (the
-    gateway does this for every token; ``as_numpy`` per output costs several times more), or
+    gateway does this for every response; ``as_numpy`` per output costs several times more), or
     through ``as_numpy`` when the outputs are not raw (or ``result`` has only ``as_numpy``)."""
     response = result.get_response() if hasattr(result, "get_response") else None
     if response is None or len(response.raw_output_contents) != len(response.outputs):
         return _delta_via_as_numpy(result)
+    return delta_from_response(response)
+
+
+def delta_from_response(response: Any) -> Delta:
+    """A ``Delta`` from a ``ModelInferResponse`` whose outputs are raw (as Triton sends them)."""
+    if len(response.raw_output_contents) != len(response.outputs):
+        from tritonclient.grpc import InferResult
+
+        return _delta_via_as_numpy(InferResult(response))
     text = finish = logprobs = None
     ids: list[int] = []
     input_tokens: int | None = None
@@ -117,13 +129,45 @@ def _grpc_error(exc: BaseException) -> APIError:
     return from_triton(message or "")
 
 
+def infer_request(model: str, tensors: Mapping[str, np.ndarray], request_id: str) -> Any:
+    """A ``ModelInferRequest`` (gRPC) of named arrays, asking for an empty final response (so that
+    a request's end is seen on a stream shared with others)."""
+    from tritonclient.grpc import service_pb2
+    from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
+
+    request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    for name, array in tensors.items():
+        tensor = request.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype), shape=list(array.shape))
+        if tensor.datatype == "BYTES":
+            request.raw_input_contents.append(serialize_byte_tensor(array).item() if array.size else b"")
+        else:
+            request.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    return request
+
+
+class _Broken:
+    """Put in the queue of every request of a stream that broke."""
+
+    def __init__(self, error: APIError) -> None:
+        self.error = error
+
+
 class TritonBackend:
     """One asyncio gRPC channel to Triton (``url``: ``host:port``), requests to ``model``.
 
-    ``response_timeout_s``: the longest wait for Triton's next response on a request's stream (the
-    first one includes queueing, preprocessing and prefill); ``None``: no limit. A Triton that hangs
-    (the engine's own watcher covers a wedged engine, not a wedged server) then costs a request
-    this long, not forever.
+    Every request travels on one long-lived ``ModelStreamInfer`` stream, its responses told apart by
+    request id (Triton sets it on every response, errors included): opening a gRPC stream per
+    request cost the gateway more CPU than anything else it did. Since cancelling the shared stream
+    would cancel every request, a request the gateway gives up on (its HTTP client went away, or
+    ``response_timeout_s``) gets a ``cancel`` control request to ``llm`` on the same stream, which
+    aborts it on the engine (``mmserve.client.cancel_tensors``); its later responses are dropped. A
+    broken stream fails the requests on it (503) and the next request opens a new one.
+
+    ``response_timeout_s``: the longest wait for Triton's next response on a request (the first one
+    includes queueing, preprocessing and prefill); ``None``: no limit. A Triton that hangs (the
+    engine's own watcher covers a wedged engine, not a wedged server) then costs a request this
+    long, not forever.
 
     ``start()`` and ``close()`` run on the event loop that serves the requests (grpc.aio's channel
     belongs to it).
@@ -132,17 +176,32 @@ class TritonBackend:
     def __init__(self, url: str, model: str, response_timeout_s: float | None = None, *, llm: str = LLM) -> None:
         self.url, self.model, self.llm = url, model, llm
         self.response_timeout_s = response_timeout_s
-        self._client: Any = None
-        self._cancels: set[asyncio.Task[bool]] = set()
+        self._client: Any = None  # tritonclient's, for health
+        self._channel: Any = None
+        self._stub: Any = None
+        self._outgoing: asyncio.Queue[Any] | None = None
+        self._call: Any = None
+        self._reader: asyncio.Task[None] | None = None
+        self._pending: dict[str, asyncio.Queue[Any]] = {}
 
     async def start(self) -> None:
+        import grpc
         import tritonclient.grpc.aio as grpcclient
+        from tritonclient.grpc import service_pb2_grpc
 
         self._client = grpcclient.InferenceServerClient(self.url)
+        self._channel = grpc.aio.insecure_channel(self.url, options=CHANNEL_OPTIONS)
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     async def close(self) -> None:
-        if self._cancels:  # cancels on their way go out first
-            await asyncio.wait(list(self._cancels), timeout=CANCEL_TIMEOUT_S)
+        self._close_stream()
+        if self._reader is not None:
+            with contextlib.suppress(BaseException):
+                await self._reader
+            self._reader = None
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            await channel.close()
         if self._client is not None:
             client, self._client = self._client, None
             await client.close()
@@ -156,30 +215,79 @@ class TritonBackend:
         if not ready:
             raise unavailable(f"the model {self.model!r} is not ready on Triton")
 
+    # -- the shared stream ---------------------------------------------------------------------
+    def _send(self, request: Any) -> None:
+        if self._call is None:
+            self._open_stream()
+        assert self._outgoing is not None
+        self._outgoing.put_nowait(request)
+
+    def _open_stream(self) -> None:
+        outgoing: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def requests() -> AsyncIterator[Any]:
+            while (request := await outgoing.get()) is not None:
+                yield request
+
+        self._outgoing = outgoing
+        self._call = self._stub.ModelStreamInfer(requests())
+        self._reader = asyncio.get_running_loop().create_task(self._read(self._call))
+
+    def _close_stream(self) -> None:
+        call, self._call = self._call, None
+        if self._outgoing is not None:
+            self._outgoing.put_nowait(None)
+            self._outgoing = None
+        if call is not None:
+            call.cancel()
+
+    async def _read(self, call: Any) -> None:
+        """Hand every response to its request's queue, until the stream ends."""
+        try:
+            async for message in call:
+                queue = self._pending.get(message.infer_response.id)
+                if queue is not None:
+                    queue.put_nowait(message)
+            failure = unavailable("Triton closed the stream")
+        except Exception as exc:  # noqa: BLE001 - every request on it learns why
+            failure = _grpc_error(exc) if _is_grpc(exc) else unavailable(f"Triton's stream broke ({exc})")
+        if self._call is call:
+            self._call = None
+            self._outgoing = None
+        for queue in self._pending.values():
+            queue.put_nowait(_Broken(failure))
+
+    # -- one request -----------------------------------------------------------------------------
     async def generate(self, tensors: Mapping[str, np.ndarray], request_id: str) -> AsyncIterator[Delta]:
         """The model's responses to one request; an error response raises ``APIError``. Closing the
-        iterator before its end cancels the request on Triton."""
-        request = {"model_name": self.model, "inputs": grpc_inputs(tensors), "request_id": request_id}
-
-        async def one_request() -> AsyncIterator[dict[str, Any]]:
-            yield request
-
-        call = self._client.stream_infer(one_request())
+        iterator before its end cancels the request on the engine."""
+        if request_id in self._pending:
+            raise internal("a request id in use", RuntimeError(request_id))
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._pending[request_id] = queue
         ended = False
         try:
+            self._send(infer_request(self.model, tensors, request_id))
             while True:
                 try:
                     async with asyncio.timeout(self.response_timeout_s):
-                        result, error = await anext(call)
-                except StopAsyncIteration:
-                    ended = True
-                    return
+                        message = await queue.get()
                 except TimeoutError:
                     raise timed_out(f"the model server sent nothing for {self.response_timeout_s:g} s; "
                                     "the request was cancelled") from None
-                if error is not None:
-                    raise from_triton(_message(error))
-                yield delta_from(result)
+                if isinstance(message, _Broken):
+                    ended = True  # nothing left to cancel on this stream
+                    raise message.error
+                if message.error_message:
+                    ended = True
+                    raise from_triton(message.error_message)
+                response = message.infer_response
+                final = response.parameters["triton_final_response"].bool_param
+                if response.outputs:
+                    yield delta_from_response(response)
+                if final:
+                    ended = True
+                    return
         except APIError:
             raise
         except Exception as exc:  # noqa: BLE001 - classified below
@@ -187,32 +295,9 @@ class TritonBackend:
                 raise _grpc_error(exc) from None
             raise internal("reading Triton's responses", exc) from None
         finally:
-            call.cancel()  # no-op once the stream ended; else Triton cancels the request
-            if not ended:  # and the engine's request, which the ensemble's cancellation doesn't reach
-                task = asyncio.get_running_loop().create_task(self.cancel_on_engine(request_id))
-                self._cancels.add(task)
-                task.add_done_callback(self._cancels.discard)
-
-    async def cancel_on_engine(self, request_id: str) -> bool:
-        """Have ``llm`` cancel the engine's request for ``request_id`` (``mmserve.client.cancel_tensors``);
-        False if it did not answer in ``CANCEL_TIMEOUT_S``."""
-        request = {"model_name": self.llm, "inputs": grpc_inputs(cancel_tensors(request_id)),
-                   "request_id": f"{request_id}.cancel"}
-
-        async def one_request() -> AsyncIterator[dict[str, Any]]:
-            yield request
-
-        call = self._client.stream_infer(one_request())
-        try:
-            async with asyncio.timeout(CANCEL_TIMEOUT_S):
-                async for _, error in call:  # Triton ends the stream after the (empty) final response
-                    if error is not None:
-                        return False
-            return True
-        except Exception:  # noqa: BLE001 - best effort: the Triton stream is cancelled anyway
-            return False
-        finally:
-            call.cancel()
+            del self._pending[request_id]
+            if not ended and self._call is not None:  # abort it on the engine; later responses are dropped
+                self._send(infer_request(self.llm, cancel_tensors(request_id), f"{request_id}.cancel"))
 
 
 def _is_grpc(exc: BaseException) -> bool:
@@ -220,8 +305,3 @@ def _is_grpc(exc: BaseException) -> bool:
     from tritonclient.utils import InferenceServerException
 
     return isinstance(exc, grpc.RpcError | InferenceServerException)
-
-
-def _message(error: Any) -> str:
-    message = getattr(error, "message", None)
-    return message() if callable(message) else str(error)
