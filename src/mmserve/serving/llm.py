@@ -39,8 +39,10 @@ logger = logging.getLogger(__name__)
 FLAG_INPUTS = wire.names(wire.FLAG_INPUTS)
 
 
-CANCEL_POLL_S = 0.1
-"""How often the watcher asks Triton whether the clients of the requests in flight cancelled them."""
+CANCEL_POLL_S = 0.25
+"""How often the watcher asks Triton whether the clients of the requests in flight cancelled them
+(each ask is a round trip to tritonserver per request; it matters to clients of ``mm_llm`` itself
+that only cancel their stream: through the ensemble the ``cancel`` control request does it)."""
 
 STOP_WAIT_S = 2.0
 """At a stop or a drain, the longest wait for each step: the requests cancelled to answer, the
