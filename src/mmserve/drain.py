@@ -28,9 +28,10 @@ ANSWER_MARGIN_S = 5.0
 """Beyond the grace period, how long to wait for ``mm_llm``'s answer."""
 
 
-def drain(url: str, grace_s: float = GRACE_S, *, llm: str = LLM) -> bool:
+def drain(url: str, grace_s: float = GRACE_S, *, llm: str = LLM, answer_margin_s: float = ANSWER_MARGIN_S) -> bool:
     """Drain ``llm`` on the Triton at ``url`` (gRPC ``host:port``); True once it answered (no request
-    in flight any more), False if it could not be asked or did not answer in time."""
+    in flight any more), False if it could not be asked or did not answer within ``grace_s`` +
+    ``answer_margin_s``."""
     import tritonclient.grpc as grpcclient
 
     answered = threading.Event()
@@ -46,7 +47,7 @@ def drain(url: str, grace_s: float = GRACE_S, *, llm: str = LLM) -> bool:
     try:
         client.start_stream(callback=on_answer)
         client.async_stream_infer(llm, grpc_inputs(tensors), enable_empty_final_response=True)
-        return answered.wait(grace_s + ANSWER_MARGIN_S) and not errors
+        return answered.wait(grace_s + answer_margin_s) and not errors
     except Exception:  # noqa: BLE001 - a server that can't be asked has nothing to drain
         return False
     finally:

@@ -27,8 +27,8 @@ from mmserve_dev.triton.install import TritonServerError
 from mmserve_dev.triton.process import TritonServer, die_with_this_process
 
 GATEWAY_START_TIMEOUT_S = 60.0
-GATEWAY_STOP_TIMEOUT_S = 8.0
-"""uvicorn's graceful shutdown (5 s, ``mmserve.gateway``) and a little."""
+GATEWAY_STOP_TIMEOUT_S = 3.0
+"""The gateway's stop, after the drain (no stream is left): then it is killed."""
 
 
 def start_gateway(server: TritonServer, host: str, port: int) -> subprocess.Popen[bytes]:

@@ -489,7 +489,9 @@ class TritonServer:
             return False
         from mmserve.drain import drain
 
-        return drain(self.grpc_url, self.drain_grace_s, llm=self.drain)
+        # A stop has 15 s: past the grace period the drain's answer is awaited 2 s at most (the
+        # models' finalize ends whatever is left).
+        return drain(self.grpc_url, self.drain_grace_s, llm=self.drain, answer_margin_s=2.0)
 
     @staticmethod
     def _kill_group(pgid: int, grace: float) -> None:
