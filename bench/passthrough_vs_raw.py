@@ -194,10 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("limit_mm_per_prompt is image 4, audio 2")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+    import torch
+
     from mmserve.engine import EngineRunner
     from mmserve.serving.preprocess import Preprocessor
-
-    import torch
 
     print(f"# passthrough_vs_raw: {platform.node()}, {os.cpu_count()} CPUs (torch threads "
           f"{torch.get_num_threads()}), {time.strftime('%Y-%m-%d %H:%M')}; model {args.model}", flush=True)

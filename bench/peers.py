@@ -757,8 +757,9 @@ class Engines:
 
 def start_gateway(triton: TritonServer, stack: contextlib.ExitStack) -> tuple[subprocess.Popen[bytes], int]:
     """``python -m mmserve.gateway`` in front of ``triton`` (as ``scripts/serve.sh`` runs it)."""
-    from mmserve_dev.triton.__main__ import start_gateway as start, stop_gateway
     from mmserve_dev.triton import free_ports
+    from mmserve_dev.triton.__main__ import start_gateway as start
+    from mmserve_dev.triton.__main__ import stop_gateway
 
     port = free_ports(1)[0]
     gateway = start(triton, "127.0.0.1", port)
@@ -1022,7 +1023,7 @@ def reference_answer(answers: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def mismatches(runs: Iterable[Run]) -> list[Mismatch]:
@@ -1344,7 +1345,7 @@ def plot_requests_per_s(report: Report, path: Path) -> None:
     s = report.settings
     fig, axes = plt.subplots(1, len(s.workloads), figsize=(4.2 * len(s.workloads), 3.6), squeeze=False,
                              sharey=True)
-    for ax, workload in zip(axes[0], s.workloads):
+    for ax, workload in zip(axes[0], s.workloads, strict=True):
         for system in s.systems:
             ax.plot(s.concurrency, [report.stats[workload, c, system].requests_s for c in s.concurrency],
                     marker="o", label=system)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from mmserve_dev.samples import AUDIO_SAMPLE_RATE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +66,7 @@ def compare(name: str, variants: dict[str, Callable[[int], Any]], requests: int,
     for seed in range(-2, requests):  # negative: warm-up
         results = {}
         for label in (labels if seed % 2 else labels[::-1]):
-            elapsed, results[label] = timed(lambda label=label: variants[label](seed))
+            elapsed, results[label] = timed(lambda label=label, seed=seed: variants[label](seed))
             if seed >= 0:
                 times[label].append(elapsed)
                 sizes[label] = nbytes(results[label])

@@ -91,12 +91,12 @@ report_exit = 0
 
 def run(args: argparse.Namespace, url: str, pid: int | None) -> None:
     global report_exit
+    import live
     import numpy as np
     import tritonclient.grpc as grpcclient
-
-    import live
-    from mmserve.client import ClientError, MMClient
     from test_e2e_inputs import RAW_CASES
+
+    from mmserve.client import ClientError, MMClient
 
     client = MMClient(url, entry=args.entry)
     sampling = {"max_tokens": args.max_tokens, "temperature": 0.0}

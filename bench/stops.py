@@ -55,6 +55,7 @@ class Stop:
     processes_left: list[str]
     shm_left: list[str]
     answers: list[str] = field(default_factory=list)  # in-flight: how each request ended
+    phases: str = ""  # the launcher's own account: "stopped in ... (drain, gateway, tritonserver)"
 
     @property
     def passed(self) -> bool:
@@ -233,6 +234,7 @@ class Busy:
 def stop_in(state: str, round_: int, model: str, busy: bool, limit_s: float) -> Stop:
     served = Served(model)
     answers: Callable[[], list[str]] | None = None
+    keep_log = False
     try:
         if state == "in-flight":
             answers = start_in_flight(served)
@@ -268,11 +270,17 @@ def stop_in(state: str, round_: int, model: str, busy: bool, limit_s: float) -> 
                       answers() if answers else [])
         if seconds > limit_s:
             result.answers.append(f"over the {limit_s:g}-s limit (exit code {code})")
+        result.phases = next((line.strip() for line in Path(served.log.name).read_text(errors="replace").splitlines()
+                              if line.startswith("stopped in")), "")
+        if not result.passed:  # the launcher's log (its phases' times; the server log's path) stays
+            keep_log = True
+            result.answers.append(f"log: {served.log.name}")
         return result
     finally:
         served.kill()
-        with contextlib.suppress(OSError):
-            os.unlink(served.log.name)
+        if not keep_log:
+            with contextlib.suppress(OSError):
+                os.unlink(served.log.name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -295,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stops.append(stop)
             print(f"round {round_} {state:<18} {stop.seconds:5.1f} s  exit {stop.exit_code}  "
                   f"left: {len(stop.processes_left)} processes, {len(stop.shm_left)} shm  "
-                  f"{'ok' if stop.passed else 'FAILED'}  {'; '.join(stop.answers)}", flush=True)
+                  f"{'ok' if stop.passed else 'FAILED'}  {'; '.join(stop.answers)}  [{stop.phases}]", flush=True)
     (out / "stops.json").write_text(json.dumps([asdict(s) for s in stops], indent=1) + "\n")
     print("\n| state | stops | passed | seconds (max) |\n|---|---:|---:|---:|")
     for state in args.states:

@@ -113,8 +113,9 @@ def check_determinism() -> bool:
 
 
 def check_parity(family_name: str, path: Path, max_tokens: int, ignore_eos: bool) -> bool:
-    from mmserve_dev.hf_reference import HFReference, chat_prompt
     from vllm import LLM, SamplingParams
+
+    from mmserve_dev.hf_reference import HFReference, chat_prompt
 
     ref = HFReference(family_name, path)
     cases = cases_for(family_name)
@@ -139,7 +140,7 @@ def check_parity(family_name: str, path: Path, max_tokens: int, ignore_eos: bool
     print(f"[{family_name}] engine start: {time.perf_counter() - start:.1f}s")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     requests = []
-    for name, parts, images, audios in cases:
+    for _name, parts, images, audios in cases:
         request = {"prompt": chat_prompt(family_name, ref.processor, parts)}
         mm = {}
         if images:
@@ -154,7 +155,7 @@ def check_parity(family_name: str, path: Path, max_tokens: int, ignore_eos: bool
     print(f"[{family_name}] vLLM generate ({len(requests)} requests): {time.perf_counter() - start:.1f}s")
 
     ok = True
-    for (name, _, _, _), output in zip(cases, outputs):
+    for (name, _, _, _), output in zip(cases, outputs, strict=True):
         hf_ids = hf_results[name]
         vllm_ids = list(output.outputs[0].token_ids)
         match = hf_ids == vllm_ids

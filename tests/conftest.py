@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from mmserve import settings
+
 from utils import MAX_TOKENS, OMNI_CASES, ROOT, Endpoints, Request, compute_references, make_request
 
 # Small CPU KV cache (GiB) for every engine the tests start, unless the caller chose one.

@@ -27,6 +27,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubernetes_validate.utils import all_versions
+
 from utils import ROOT
 
 # The newest Kubernetes release whose schemas kubernetes-validate 1.37.0 ships. kubernetes_validate

@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-import utils
 from mmserve_dev.samples import AUDIO_SAMPLE_RATE
+
+import utils
 from utils import ROOT, http_generate, infer_tensors, sampling, send_tensors
 
 pytestmark = pytest.mark.server

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from mmserve import settings
+
 from utils import (
     CASES,
     ENTRIES,

@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from utils import MAX_TOKENS, ROOT, assert_cancel_stopped_the_engine, generated_after_cancel
 from utils import client as triton_client
 from utils import sampling as _sampling
@@ -242,6 +243,7 @@ def test_the_sdk_raises_bad_request(sdk):
 
 def test_unreachable_triton_gives_503(tmp_path):
     import openai
+
     from mmserve_dev.triton import free_ports
 
     (nothing,) = free_ports(1)

@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from utils import ROOT
 
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")

@@ -27,5 +27,5 @@ def test_chunked_prefill_concurrent_matches_reference(chunked_engine, omni_workl
     multimodal = [p for p in prompts if "multi_modal_data" in p and "prompt_token_ids" in p]
     assert multimodal and all(len(p["prompt_token_ids"]) > 2 * CHUNK for p in multimodal)
     outputs = chunked_engine.submit(run_concurrently(chunked_engine, prompts, stagger_s=0.03)).result()
-    mismatches = [r.name for (r, ref), out in zip(omni_workload, outputs) if out != ref]
+    mismatches = [r.name for (r, ref), out in zip(omni_workload, outputs, strict=True) if out != ref]
     assert not mismatches, f"differ from their single-request reference: {mismatches}"

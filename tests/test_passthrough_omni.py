@@ -9,7 +9,9 @@ import copy
 
 import pytest
 import torch
+
 from mmserve_dev.samples import AUDIO_SAMPLE_RATE
+
 from utils import (
     ENGINE_ARGS,
     OMNI_CASES,
@@ -56,7 +58,7 @@ def test_concurrent_mixed_modalities_staggered(engine, omni_workload):
         for i, (r, _) in enumerate(omni_workload)
     ]
     outputs = engine.submit(run_concurrently(engine, prompts, stagger_s=0.03)).result()
-    mismatches = [r.name for (r, ref), out in zip(omni_workload, outputs) if out != ref]
+    mismatches = [r.name for (r, ref), out in zip(omni_workload, outputs, strict=True) if out != ref]
     assert len(outputs) >= 16
     assert not mismatches, f"differ from their single-request reference: {mismatches}"
 

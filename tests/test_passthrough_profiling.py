@@ -12,9 +12,9 @@ def test_dummy_inputs_fill_the_limits_with_the_largest_items(tiny_models, limits
     from vllm.config import ModelConfig
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
-    from mmserve_dev.hf_reference import load_processor
     from mmserve.inputs import engine_kwargs
     from mmserve.passthrough import register
+    from mmserve_dev.hf_reference import load_processor
 
     register()
     model = tiny_models["qwen2_5_omni"]

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from mmserve_dev.samples import AUDIO_SAMPLE_RATE, encode_audio, encode_image, sample_audio, sample_image
+
 from utils import rejects
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

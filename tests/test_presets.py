@@ -239,7 +239,7 @@ class _Checkpoint:
         from mmserve.families import get_family
         from mmserve.inputs import engine_kwargs, mm_limits
         from mmserve.passthrough import register
-        from mmserve.serving.preprocess import Preprocessor, PreprocessLimits
+        from mmserve.serving.preprocess import PreprocessLimits, Preprocessor
 
         self.real = REAL[hub_name]
         self.family = get_family(self.real.family)

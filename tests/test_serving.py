@@ -210,10 +210,10 @@ def test_the_client_names_only_tensors_of_the_contract():
     a tensor of mmserve.wire or mmserve.serving.contract."""
     import ast
 
-    from utils import ROOT
-
     from mmserve import wire
     from mmserve.serving.contract import MM_LLM_INPUTS
+
+    from utils import ROOT
 
     known = set(wire.names((*wire.PUBLIC_INPUTS, *wire.OUTPUTS, *MM_LLM_INPUTS)))
     tree = ast.parse((ROOT / "src" / "mmserve" / "client.py").read_text())
@@ -341,8 +341,15 @@ def test_the_sender_guard_sends_one_final_and_lets_the_sender_go():
     pb = types.SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=1, TritonError=TritonError,
                                Tensor=lambda name, array: (name, array),
                                InferenceResponse=lambda output_tensors=None, error=None: (output_tensors, error))
+    class Request:
+        def __init__(self, sender: Sender) -> None:
+            self._sender = sender
+
+        def get_response_sender(self) -> Sender:
+            return self._sender
+
     sender = Sender()
-    request = types.SimpleNamespace(get_response_sender=lambda: sender)
+    request = Request(sender)
     before = TritonSink.unfinished()
     sink = TritonSink(pb, request)
     assert TritonSink.unfinished() == before + 1

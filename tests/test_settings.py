@@ -7,9 +7,9 @@ import re
 import subprocess
 import sys
 
-from utils import ROOT
-
 from mmserve import settings
+
+from utils import ROOT
 
 NAME = re.compile(r"\bMMSERVE_[A-Z0-9_]*[A-Z0-9]\b")
 

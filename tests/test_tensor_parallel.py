@@ -130,7 +130,7 @@ def test_tokens_equal_one_worker(service, preprocessor, references):
     prompts = [served_prompt(service, preprocessor, references[n]) for n in names]
     outputs = service.runner.submit(run_concurrently(service.runner, prompts, stagger_s=0.03)).result(600)
     assert len(names) == 12
-    mismatches = {n: (out, references[n].ids) for n, out in zip(names, outputs) if out != references[n].ids}
+    mismatches = {n: (out, references[n].ids) for n, out in zip(names, outputs, strict=True) if out != references[n].ids}
     assert not mismatches, f"TP=2 != 1 worker: {mismatches}"
 
 
@@ -140,7 +140,7 @@ def test_tokens_equal_hf(service, omni_workload):
     prompts = [processed("qwen2_5_omni", request) for request, _ in cases]
     outputs = service.runner.submit(run_concurrently(service.runner, prompts, stagger_s=0.03)).result(600)
     assert len(cases) == 9
-    mismatches = {r.name: (out, ref) for (r, ref), out in zip(cases, outputs) if out != ref}
+    mismatches = {r.name: (out, ref) for (r, ref), out in zip(cases, outputs, strict=True) if out != ref}
     assert not mismatches, f"TP=2 != HF: {mismatches}"
 
 

@@ -342,12 +342,12 @@ def generated_after_cancel(server: Endpoints, start: Callable[[], Generation], *
     for _ in range(tries):
         before = generated()
         with start() as generation:
-            assert wait_for(lambda: generated() > before + 10, 60), "generation did not start"
+            assert wait_for(lambda before=before: generated() > before + 10, 60), "generation did not start"
             generation.cancel()
             at_cancel = generated() - before
         last = [generated()]
 
-        def settled() -> bool:
+        def settled(last: list[float] = last) -> bool:
             time.sleep(2)
             now = generated()
             done, last[0] = now == last[0], now

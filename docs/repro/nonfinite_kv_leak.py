@@ -46,7 +46,7 @@ def main() -> None:
     after = [llm.generate(p, greedy)[0].outputs[0].token_ids for p in short]
 
     print("NaN-audio request :", list(poisoned[0].outputs[0].token_ids))
-    for prompt, a, b in zip(("Hi.", "Tell me more.", "What is this?"), before, after):
+    for prompt, a, b in zip(("Hi.", "Tell me more.", "What is this?"), before, after, strict=True):
         print(f"{prompt!r:16} before {list(a)}  after {list(b)}  {'same' if list(a) == list(b) else 'CHANGED'}")
 
 

@@ -64,7 +64,7 @@ FAMILY_NAMES: tuple[str, ...] = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio")
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "models"
 
 # ---------------------------------------------------------------------------------------------------
-# Sizes (see /work/shared/ENVIRONMENT.md): CPU attention in vLLM needs head_dim >= 32.
+# Sizes: vLLM's CPU attention needs head_dim >= 32.
 TEXT_HIDDEN = 128
 TEXT_LAYERS = 2
 TEXT_HEADS = 4  # head_dim 32

@@ -16,7 +16,7 @@ def placeholder_runs(prompt_ids: Sequence[int], token_id: int) -> list[tuple[int
         return []
     edges = np.flatnonzero(np.diff(np.concatenate(([0], is_token.view(np.int8), [0]))))
     starts, ends = edges[0::2], edges[1::2]
-    return [(int(s), int(e - s)) for s, e in zip(starts, ends)]
+    return [(int(s), int(e - s)) for s, e in zip(starts, ends, strict=True)]
 
 
 def locate_items(
@@ -45,7 +45,7 @@ def locate_items(
             found=f"{len(runs)} run(s) with lengths {[n for _, n in runs]}",
             hint="the prompt must be expanded by the same processor that produced the tensors",
         )
-    for index, ((offset, length), want) in enumerate(zip(runs, expected)):
+    for index, ((offset, length), want) in enumerate(zip(runs, expected, strict=True)):
         if length != want:
             detail = describe[index] if index < len(describe) else ""
             raise ProcessedInputError(

@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import functools
 import io
 import json
 import math
@@ -577,6 +578,10 @@ class Preprocessor:
         """The chat template on ``messages`` (HF form), generation prompt on."""
         return self.processor.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
 
+    def _render_text_only(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The template on ``messages`` with their media parts left out."""
+        return self.render(_without_media(messages))
+
     @staticmethod
     def _user_turn(text: str, num_images: int, num_audios: int) -> _Conversation:
         content: list[dict[str, Any]] = [{"type": "image"}] * num_images
@@ -765,10 +770,6 @@ class Preprocessor:
             )
 
     # -- audio ---------------------------------------------------------------------------------
-    def decode_audio(self, index: int, data: bytes | str) -> np.ndarray:
-        """``audio[index]``: mono float32 at the feature extractor's rate, within the limits."""
-        return self._decode_audio(f"audio[{index}]", data).samples
-
     def _decode_audio(self, what: str, data: bytes | str) -> _Clip:
         import soundfile
 
@@ -790,10 +791,6 @@ class Preprocessor:
         if len(samples) > limit:
             self._too_long(what, None)
         return self._clip(what, samples.mean(axis=1), rate)
-
-    def resample(self, what: str, samples: np.ndarray, rate: int) -> np.ndarray:
-        """Mono float32 at the feature extractor's rate (checked: shape, rate, finite values)."""
-        return self._clip(what, samples, rate).samples
 
     def _clip(self, what: str, samples: np.ndarray, rate: int) -> _Clip:
         samples = np.asarray(samples, dtype=np.float32)
@@ -1000,10 +997,10 @@ class Preprocessor:
         text_only: Callable[[], str] | None = None
         if conversation is not None:
             prompt, runs = self._templated(conversation)
-            text_only = lambda: self.render(_without_media(conversation.messages))
+            text_only = functools.partial(self._render_text_only, conversation.messages)
         elif apply_chat_template:
             prompt, runs = self._user_prompt(text, len(pil_images), len(clips))
-            text_only = lambda: self.chat_prompt(text, 0, 0)
+            text_only = functools.partial(self.chat_prompt, text, 0, 0)
         else:
             prompt = text
         processed = self._process(prompt, pil_images, clips, raw_prompt=not apply_chat_template,

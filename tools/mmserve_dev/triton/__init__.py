@@ -7,7 +7,13 @@
 * ``__main__``: the command line (``python -m mmserve_dev.triton``).
 """
 
-from mmserve_dev.triton.install import TritonInstall, TritonServerError, find_tritonserver, prepare_backend_dir, python_libdir
+from mmserve_dev.triton.install import (
+    TritonInstall,
+    TritonServerError,
+    find_tritonserver,
+    prepare_backend_dir,
+    python_libdir,
+)
 from mmserve_dev.triton.process import TritonServer, free_ports, remove_stale_shm, shm_files_mapped
 
 __all__ = [

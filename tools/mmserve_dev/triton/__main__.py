@@ -155,10 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 signal.signal(getattr(signal, name), signal.SIG_IGN)
         started = time.monotonic()
         server.drain_now()  # the streams in flight end first, while the gateway can still relay it
+        drained = time.monotonic()
         stop_gateway(gateway)
+        gateway_stopped = time.monotonic()
         server_code = server.stop()
         if server_code is not None:
-            print(f"stopped in {time.monotonic() - started:.1f} s (tritonserver's exit code {server_code})", flush=True)
+            print(f"stopped in {time.monotonic() - started:.1f} s (drain {drained - started:.1f} s, gateway "
+                  f"{gateway_stopped - drained:.1f} s, tritonserver {time.monotonic() - gateway_stopped:.1f} s; "
+                  f"tritonserver's exit code {server_code})", flush=True)
             code = code or (0 if server_code == 0 else 1)
     return code
 

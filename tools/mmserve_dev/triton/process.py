@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import glob
+import importlib
 import itertools
 import os
 import re
@@ -31,7 +32,13 @@ import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from mmserve_dev.triton.install import TritonServerError, find_tritonserver, prepare_backend_dir, python_libdir, venv_bin
+from mmserve_dev.triton.install import (
+    TritonServerError,
+    find_tritonserver,
+    prepare_backend_dir,
+    python_libdir,
+    venv_bin,
+)
 
 __all__ = ["TritonServer", "free_ports", "remove_stale_shm", "shm_files_mapped"]
 
@@ -258,6 +265,7 @@ class TritonServer:
         self._pgid: int | None = None
         self._log_handle = None
         self._stop_lock = threading.Lock()
+        self._drained = False
 
     # ---------------------------------------------------------------------------------- endpoints
     @property
@@ -357,6 +365,9 @@ class TritonServer:
             try:
                 self._launch()
                 self._wait_ready(timeout)
+                if self.drain:  # now, not at the stop: an import can take seconds on a busy machine
+                    for module in ("tritonclient.grpc", "mmserve.drain"):
+                        importlib.import_module(module)
                 if self.keep_loaded:
                     from mmserve.serving.keeper import ModelKeeper
 
@@ -374,6 +385,7 @@ class TritonServer:
         raise AssertionError("unreachable")
 
     def _launch(self) -> None:
+        self._drained = False
         auto = free_ports(3)
         self.http_port, self.grpc_port, self.metrics_port = (
             fixed if fixed is not None else picked for fixed, picked in zip(self._fixed_ports, auto, strict=True)
@@ -485,8 +497,9 @@ class TritonServer:
 
     def drain_now(self) -> bool:
         """Drain ``drain`` (``mmserve.drain``) if it is set and the server runs; True if it answered."""
-        if not (self.drain and self.is_running() and self.grpc_port is not None):
+        if not (self.drain and self.is_running() and self.grpc_port is not None) or self._drained:
             return False
+        self._drained = True  # once per start: what a drain ends is not served again
         from mmserve.drain import drain
 
         # A stop has 15 s: past the grace period the drain's answer is awaited 2 s at most (the
