@@ -59,7 +59,10 @@ class Stop:
 
     @property
     def passed(self) -> bool:
-        return self.exit_code == 0 and not self.processes_left and not self.shm_left
+        # A stream cut without its final answer (a connection refused before any answer is a request
+        # that came too late: a client retries it elsewhere).
+        cut = [a for a in self.answers if a.startswith("unanswered") or ("Connection" in a and "after 0 " not in a)]
+        return self.exit_code == 0 and not self.processes_left and not self.shm_left and not cut
 
 
 class Served:
@@ -120,37 +123,47 @@ def start_in_flight(served: Served) -> Callable[[], list[str]]:
     outcomes: list[str] = []
 
     def grpc_stream(k: int) -> None:
+        tokens = 0
         try:
-            result = MMClient(served.grpc_url, timeout=120).generate("Count.", stream=True, max_tokens=4000,
-                                                                     ignore_eos=True)
-            outcomes.append(f"grpc-{k}: completed ({len(result.output_ids)} tokens)")
+            with MMClient(served.grpc_url, timeout=120).start("Count.", max_tokens=4000, ignore_eos=True) as stream:
+                for delta in stream:
+                    tokens += len(delta.output_ids)
+            outcomes.append(f"grpc-{k}: completed ({tokens} tokens)")
         except ClientError as exc:
-            outcomes.append(f"grpc-{k}: {exc.code}")
+            outcomes.append(f"grpc-{k}: {exc.code} after {tokens} tokens")
 
     def http_generate() -> None:
         body = {"text_input": "Count.", "sampling_parameters": json.dumps({"max_tokens": 4000, "ignore_eos": True})}
         try:
             reply = requests.post(f"http://127.0.0.1:{served.http}/v2/models/mm_ensemble/generate", json=body,
                                   timeout=120)
-            outcomes.append(f"http: {reply.status_code} {reply.text[:60]}")
+            answer = reply.json()
+            outcomes.append(f"http: {reply.status_code} " + (f"({len(answer['output_ids'])} tokens)" if reply.ok
+                                                              else str(answer.get("error", ""))[:80]))
         except requests.RequestException as exc:
             outcomes.append(f"http: {type(exc).__name__}")
 
     def openai_stream() -> None:
         sdk = OpenAI(base_url=f"http://127.0.0.1:{served.openai}/v1", api_key="unused", max_retries=0)
+        chunks = 0
         try:
-            chunks = list(sdk.chat.completions.create(
-                model="mm_ensemble", messages=[{"role": "user", "content": "Count."}], stream=True,
-                max_tokens=4000, extra_body={"ignore_eos": True}))
-            outcomes.append(f"openai: completed ({len(chunks)} chunks)")
+            for _ in sdk.chat.completions.create(model="mm_ensemble", messages=[{"role": "user", "content": "Count."}],
+                                                 stream=True, max_tokens=4000, extra_body={"ignore_eos": True}):
+                chunks += 1
+            outcomes.append(f"openai: completed ({chunks} chunks)")
         except Exception as exc:  # noqa: BLE001 - how it ended is the result
-            outcomes.append(f"openai: {type(exc).__name__}: {str(exc)[:60]}")
+            outcomes.append(f"openai: {type(exc).__name__} after {chunks} chunks: {str(exc)[:60]}")
 
     threads = [threading.Thread(target=grpc_stream, args=(k,)) for k in range(2)]
     threads += [threading.Thread(target=http_generate), threading.Thread(target=openai_stream)]
     for thread in threads:
         thread.start()
-    time.sleep(2.0)  # in flight: preprocessed, generating (a metrics poll can take seconds on a loaded machine)
+    started = time.monotonic()
+    while time.monotonic() < started + 60:  # generating: all of them, or some after 10 s
+        running = _running(served)
+        if running >= len(threads) or (running and time.monotonic() > started + 10):
+            break
+        time.sleep(0.2)
 
     def ended() -> list[str]:
         for thread in threads:
@@ -236,9 +249,7 @@ def stop_in(state: str, round_: int, model: str, busy: bool, limit_s: float) -> 
     answers: Callable[[], list[str]] | None = None
     keep_log = False
     try:
-        if state == "in-flight":
-            answers = start_in_flight(served)
-        elif state == "bad-and-cancelled":
+        if state == "bad-and-cancelled":
             bad_and_cancelled(served)
         elif state == "healed":
             healed(served)
@@ -250,6 +261,8 @@ def stop_in(state: str, round_: int, model: str, busy: bool, limit_s: float) -> 
         for process in tree:
             with contextlib.suppress(psutil.Error, OSError), open(f"/proc/{process.pid}/maps") as maps:
                 shm |= {line.split()[-1].removeprefix("/dev/shm/") for line in maps if " /dev/shm/" in line}
+        if state == "in-flight":  # last: they are to be generating at the signal
+            answers = start_in_flight(served)
         hogs = Busy(model) if busy else None
         try:
             started = time.monotonic()

@@ -28,7 +28,7 @@ from mmserve_dev.triton.process import TritonServer, die_with_this_process
 
 GATEWAY_START_TIMEOUT_S = 60.0
 GATEWAY_STOP_TIMEOUT_S = 3.0
-"""The gateway's stop, after the drain (no stream is left): then it is killed."""
+"""How long the gateway may take to exit after the drain (its streams have ended): then it is killed."""
 
 
 def start_gateway(server: TritonServer, host: str, port: int) -> subprocess.Popen[bytes]:
@@ -49,10 +49,13 @@ def start_gateway(server: TritonServer, host: str, port: int) -> subprocess.Pope
     raise TritonServerError(f"the OpenAI gateway did not answer within {GATEWAY_START_TIMEOUT_S:.0f} s")
 
 
-def stop_gateway(gateway: subprocess.Popen[bytes] | None) -> None:
+def stop_gateway(gateway: subprocess.Popen[bytes] | None, *, signalled: bool = False) -> None:
+    """SIGTERM ``gateway`` (unless ``signalled``: a second one makes uvicorn quit at once, cutting
+    its streams) and wait for it to exit; past ``GATEWAY_STOP_TIMEOUT_S`` it is killed."""
     if gateway is None or gateway.poll() is not None:
         return
-    gateway.terminate()
+    if not signalled:
+        gateway.terminate()
     try:
         gateway.wait(GATEWAY_STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -154,9 +157,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             with contextlib.suppress(AttributeError):
                 signal.signal(getattr(signal, name), signal.SIG_IGN)
         started = time.monotonic()
-        server.drain_now()  # the streams in flight end first, while the gateway can still relay it
+        # The gateway stops taking requests and exits once its streams have ended, which the drain
+        # does (their last event, "stopping", relayed by the gateway).
+        if gateway is not None and gateway.poll() is None:
+            gateway.terminate()
+        server.drain_now()
         drained = time.monotonic()
-        stop_gateway(gateway)
+        stop_gateway(gateway, signalled=True)
         gateway_stopped = time.monotonic()
         server_code = server.stop()
         if server_code is not None:
