@@ -12,7 +12,6 @@ here: ``preprocess`` checks and decodes them (and answers ``[INVALID_ARG]`` for 
 from __future__ import annotations
 
 import asyncio
-import binascii
 import json
 import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
@@ -20,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pybase64
 
+from mmserve import dataurl
 from mmserve.gateway.errors import APIError, invalid
 from mmserve.gateway.protocol import (
     AudioPart,
@@ -49,37 +48,24 @@ class Conversation:
 
 
 def b64decode(data: str, param: str, what: str) -> bytes:
-    """Strict base64 (whitespace allowed) -> bytes; ``APIError`` when malformed or empty.
-    ``pybase64`` (SIMD; also a vLLM dependency): 60x the standard library's speed on a 600 kB image,
-    the gateway's largest cost per request otherwise."""
+    """Strict base64 (whitespace allowed) -> bytes; ``APIError`` when malformed or empty."""
     try:
-        raw = pybase64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):  # whitespace fails validation: drop it, then try once more
-        try:
-            raw = pybase64.b64decode("".join(data.split()), validate=True)
-        except (binascii.Error, ValueError):
-            raise invalid(f"{param}: {what} is not valid base64", param=param) from None
-    if not raw:
-        raise invalid(f"{param}: {what} is empty", param=param)
-    return raw
+        return dataurl.b64decode(data, what)
+    except dataurl.DataURLError as exc:
+        raise invalid(f"{param}: {exc}", param=param) from None
 
 
 def data_url_bytes(url: str, param: str) -> bytes:
-    """The payload of a ``data:[<mime>][;base64],<data>`` URL."""
-    header, comma, payload = url[len("data:"):].partition(",")
-    if not comma:
-        raise invalid(f"{param}: malformed data URL (no ',' before the data)", param=param)
-    if header.lower().endswith(";base64"):
-        return b64decode(payload, param, "the data URL's payload")
-    raw = urllib.parse.unquote_to_bytes(payload)
-    if not raw:
-        raise invalid(f"{param}: the data URL's payload is empty", param=param)
-    return raw
+    """The payload of a ``data:<type>;base64,<data>`` URL."""
+    try:
+        return dataurl.data_url_payload(url)
+    except dataurl.DataURLError as exc:
+        raise invalid(f"{param}: {exc}", param=param) from None
 
 
 def image_source(url: str, param: str, remote: bool) -> bytes | str:
     """An ``image_url.url``: the bytes of a data URL, or the http(s) URL to fetch (when ``remote``)."""
-    if url[:5].lower() == "data:":
+    if dataurl.is_data_url(url):
         return data_url_bytes(url, param)
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme in ("http", "https"):
@@ -94,7 +80,7 @@ def image_source(url: str, param: str, remote: bool) -> bytes | str:
 
 def audio_bytes(data: str, param: str) -> bytes:
     """``input_audio.data``: base64 (a data URL is accepted too)."""
-    if data[:5].lower() == "data:":
+    if dataurl.is_data_url(data):
         return data_url_bytes(data, param)
     return b64decode(data, param, "the audio data")
 

@@ -92,7 +92,6 @@ whole prompt on purpose, placeholders included, and it is used as it is.
 
 from __future__ import annotations
 
-import base64
 import copy
 import functools
 import io
@@ -107,6 +106,7 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import numpy as np
 
+from mmserve.dataurl import data_url_payload, is_data_url
 from mmserve.errors import InputError
 from mmserve.inputs import family_of_checkpoint
 from mmserve.passthrough.placeholders import placeholder_runs
@@ -444,16 +444,7 @@ def payload_bytes(data: bytes | str) -> bytes:
         data = data.encode()
     if not isinstance(data, _BYTES_LIKE):
         raise TypeError(f"expected bytes or a data URL, found {type(data).__name__}")
-    data = bytes(data)
-    if not data.startswith(b"data:"):
-        return data
-    header, _, encoded = data.partition(b",")
-    if not header.endswith(b";base64"):
-        raise ValueError("a data URL must be base64-encoded")
-    try:
-        return base64.b64decode(encoded, validate=True)
-    except ValueError as exc:
-        raise ValueError(f"invalid base64 in data URL ({exc})") from None
+    return data_url_payload(data) if is_data_url(data) else bytes(data)
 
 
 class Preprocessor:
