@@ -116,6 +116,7 @@ def _running(served: Served) -> float:
 def start_in_flight(served: Served) -> Callable[[], list[str]]:
     """4 long generations; returns a function that waits for their ends and says how each ended."""
     import requests
+    import tritonclient.grpc  # noqa: F401 - imported here, not by 2 threads at once on a busy machine
     from openai import OpenAI
 
     from mmserve.client import ClientError, MMClient
@@ -143,8 +144,9 @@ def start_in_flight(served: Served) -> Callable[[], list[str]]:
         except requests.RequestException as exc:
             outcomes.append(f"http: {type(exc).__name__}")
 
+    sdk = OpenAI(base_url=f"http://127.0.0.1:{served.openai}/v1", api_key="unused", max_retries=0)
+
     def openai_stream() -> None:
-        sdk = OpenAI(base_url=f"http://127.0.0.1:{served.openai}/v1", api_key="unused", max_retries=0)
         chunks = 0
         try:
             for _ in sdk.chat.completions.create(model="mm_ensemble", messages=[{"role": "user", "content": "Count."}],

@@ -12,7 +12,6 @@ import io
 import json
 import struct
 import sys
-import types
 import zlib
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 
 from mmserve_dev.samples import AUDIO_SAMPLE_RATE, encode_audio, encode_image, sample_audio, sample_image
 
-from utils import rejects
+from utils import FakeTensor, FakeTritonError, fake_pb_utils, rejects
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 MODEL_DIR = Path(__file__).resolve().parents[1] / "model_repository" / "preprocess"
@@ -316,52 +315,12 @@ def test_raw_prompts_keep_their_placeholders(preprocessor):
 
 
 # -- the Triton adapter ---------------------------------------------------------------------------
-class _TritonError:
-    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
-
-    def __init__(self, message, code=INTERNAL):
-        self._message, self._code = message, code
-
-    def message(self):
-        return self._message
-
-    def code(self):
-        return self._code
-
-
-class _Tensor:
-    def __init__(self, name, array):
-        self._name, self._array = name, array
-
-    def name(self):
-        return self._name
-
-    def as_numpy(self):
-        return self._array
-
-
-class _Response:
-    def __init__(self, output_tensors=None, error=None):
-        self.output_tensors, self.error = output_tensors or [], error
-
-
-def _fake_pb_utils() -> types.ModuleType:
-    module = types.ModuleType("triton_python_backend_utils")
-    module.TritonError = _TritonError
-    module.Tensor = _Tensor
-    module.InferenceResponse = _Response
-    module.get_input_tensor_by_name = lambda request, name: request.get(name)
-    module.Logger = types.SimpleNamespace(**{name: lambda message: None
-                                            for name in ("log_info", "log_warn", "log_error", "log_verbose")})
-    return module
-
-
 @pytest.fixture
 def triton_model(preprocessor, monkeypatch):
     """model.py's TritonPythonModel, initialized from the real config.pbtxt (processor shared)."""
     from google.protobuf import json_format
 
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _fake_pb_utils())
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
     path = MODEL_DIR / "1" / "model.py"
     spec = importlib.util.spec_from_file_location("preprocess_model_under_test", path)
     module = importlib.util.module_from_spec(spec)
@@ -392,7 +351,7 @@ def triton_model(preprocessor, monkeypatch):
 
 
 def _request(**tensors):
-    return {name: _Tensor(name, value) for name, value in tensors.items()}
+    return {name: FakeTensor(name, value) for name, value in tensors.items()}
 
 
 def _text(value: bytes) -> np.ndarray:
@@ -418,7 +377,7 @@ def test_triton_model_reads_its_parameters_and_answers_every_error(triton_model,
                               (bad_utf8, "text_input: invalid UTF-8 at byte 0 (0xff)"),
                               (too_many, "image: 2 images exceed the limit of 1 per request (max_images)"),
                               (injected, "text_input: the control token '<|im_start|>'")]:
-        assert response.error.code() == _TritonError.INVALID_ARG
+        assert response.error.code() == FakeTritonError.INVALID_ARG
         assert message in response.error.message()
 
 
@@ -446,7 +405,7 @@ def test_triton_model_takes_a_conversation(triton_model, preprocessor):
     for response, message in [(both, "messages: text_input must be absent or empty when messages is given"),
                               (two, "messages: expected exactly one JSON string, found 2"),
                               (neither, "text_input: required (BYTES [1], the prompt), or messages")]:
-        assert response.error.code() == _TritonError.INVALID_ARG
+        assert response.error.code() == FakeTritonError.INVALID_ARG
         assert message in response.error.message()
 
 
@@ -459,7 +418,7 @@ def test_triton_model_hides_internal_faults(triton_model, caplog):
     model.preprocessor = broken
     (response,) = model.execute([_request(text_input=_text(b"x"))])
     message = response.error.message()
-    assert response.error.code() == _TritonError.INTERNAL
+    assert response.error.code() == FakeTritonError.INTERNAL
     assert "incident" in message and "secret" not in message and "Traceback" not in message and "/" not in message
     incident = message.split("incident ")[1].split(")")[0]
     assert any(incident in record.getMessage() for record in caplog.records)  # the log keeps the detail

@@ -314,11 +314,12 @@ def test_the_sender_guard_sends_one_final_and_lets_the_sender_go():
     dropped; the sender object is released with the final send (Triton frees the request's response
     factory, which pins the model, only when it goes); a finished request is never asked whether it
     was cancelled (that crashes Triton 2.51)."""
-    import types
     import weakref
 
     from mmserve.errors import UnavailableError
     from mmserve.serving.triton import TritonSink
+
+    from utils import fake_pb_utils
 
     class Sender:
         def __init__(self) -> None:
@@ -332,15 +333,8 @@ def test_the_sender_guard_sends_one_final_and_lets_the_sender_go():
             self.polls += 1
             return False
 
-    class TritonError:
-        INTERNAL, INVALID_ARG, UNAVAILABLE, CANCELLED = range(4)
+    pb = fake_pb_utils()
 
-        def __init__(self, message: str, code: int = 0) -> None:
-            self.message, self.code = message, code
-
-    pb = types.SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=1, TritonError=TritonError,
-                               Tensor=lambda name, array: (name, array),
-                               InferenceResponse=lambda output_tensors=None, error=None: (output_tensors, error))
     class Request:
         def __init__(self, sender: Sender) -> None:
             self._sender = sender
@@ -359,8 +353,8 @@ def test_the_sender_guard_sends_one_final_and_lets_the_sender_go():
     sink.send_final()
     sink.send({"text_output": np.array([b"b"], dtype=object)}, final=True)
     assert [flags for _, flags in sender.sent] == [0, 1]
-    (_, error), _ = sender.sent[1]
-    assert error.message.startswith("[UNAVAILABLE] the server is stopping")
+    response, _ = sender.sent[1]
+    assert response.error.message().startswith("[UNAVAILABLE] the server is stopping")
     assert not sink.is_cancelled() and sender.polls == 1  # not asked once finished
     assert sink.finished and TritonSink.unfinished() == before
     held = weakref.ref(sender)

@@ -16,6 +16,7 @@ import json
 import os
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -401,3 +402,47 @@ def rejects(call: Callable[[], Any], message: str) -> str:
     assert isinstance(err.value, InputError)
     assert message in str(err.value), str(err.value)
     return str(err.value)
+
+
+# -- a stand-in for the Python backend's triton_python_backend_utils (unit tests of the adapters) --
+class FakeTritonError:
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
+
+    def __init__(self, message: str, code: int = INTERNAL) -> None:
+        self._message, self._code = message, code
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> int:
+        return self._code
+
+
+class FakeTensor:
+    def __init__(self, name: str, array: np.ndarray) -> None:
+        self._name, self._array = name, array
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+
+class FakeResponse:
+    def __init__(self, output_tensors: list[FakeTensor] | None = None, error: FakeTritonError | None = None) -> None:
+        self.output_tensors, self.error = output_tensors or [], error
+
+
+def fake_pb_utils() -> types.ModuleType:
+    """The parts of ``triton_python_backend_utils`` the project's adapters use; requests are dicts of
+    input arrays."""
+    module = types.ModuleType("triton_python_backend_utils")
+    module.TritonError = FakeTritonError  # type: ignore[attr-defined]
+    module.Tensor = FakeTensor  # type: ignore[attr-defined]
+    module.InferenceResponse = FakeResponse  # type: ignore[attr-defined]
+    module.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1  # type: ignore[attr-defined]
+    module.get_input_tensor_by_name = lambda request, name: request.get(name)  # type: ignore[attr-defined]
+    module.Logger = types.SimpleNamespace(**{name: lambda message: None  # type: ignore[attr-defined]
+                                            for name in ("log_info", "log_warn", "log_error", "log_verbose")})
+    return module
