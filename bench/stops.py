@@ -230,13 +230,16 @@ class Busy:
     """A CPU hog per core and a second vLLM engine starting, until ``stop``."""
 
     def __init__(self, model: str) -> None:
-        hog = [sys.executable, "-c", "while True: pass"]
+        from mmserve_dev.triton.process import die_with_this_process  # they go if this benchmark is killed
+
+        hog = die_with_this_process([sys.executable, "-c", "while True: pass"])
         self.processes = [subprocess.Popen(hog, start_new_session=True) for _ in range(os.cpu_count() or 1)]
         engine = (f"from vllm import LLM\nif __name__ == '__main__':\n    LLM(model={model!r}, max_model_len=512, "
                   "enforce_eager=True, dtype='float32')\n")
         env = {**os.environ, "VLLM_PLUGINS": "", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        self.processes.append(subprocess.Popen([sys.executable, "-c", engine], env=env, start_new_session=True,
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.processes.append(subprocess.Popen(die_with_this_process([sys.executable, "-c", engine]), env=env,
+                                               start_new_session=True, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL))
 
     def stop(self) -> None:
         for process in self.processes:
