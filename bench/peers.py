@@ -362,6 +362,7 @@ class Run:
     wall_s: float  # first request's start -> last request's end
     outcomes: list[Outcome]
     server_cpu_s: float | None = None  # CPU time of the system's serving processes during the run
+    server_cpu_by_process: dict[str, float] = field(default_factory=dict)  # the same, by process_kind
 
 
 def percentile_ms(values: Sequence[float], q: float) -> float:
@@ -383,6 +384,7 @@ class Stats:
     interval_p99_ms: float
     responses_per_request: float
     server_cpu_ms: float  # per request; NaN: not measured (in-process)
+    server_cpu_by_process_ms: dict[str, float] = field(default_factory=dict)  # per request, by process_kind
 
     @classmethod
     def of(cls, runs: Sequence[Run]) -> Stats:
@@ -392,6 +394,7 @@ class Stats:
         latency = [o.latency_s for o in outcomes]
         intervals = [gap for o in outcomes for gap in o.intervals_s]
         cpu = [run.server_cpu_s for run in runs]
+        kinds = sorted({kind for run in runs for kind in run.server_cpu_by_process})
         return cls(
             requests=len(outcomes), requests_s=len(outcomes) / wall,
             tokens_s=sum(len(o.token_ids) for o in outcomes) / wall,
@@ -400,6 +403,8 @@ class Stats:
             interval_p50_ms=percentile_ms(intervals, 50), interval_p99_ms=percentile_ms(intervals, 99),
             responses_per_request=sum(len(o.intervals_s) + 1 for o in outcomes) / len(outcomes),
             server_cpu_ms=(sum(cpu) / len(outcomes) * 1e3 if all(c is not None for c in cpu) else float("nan")),
+            server_cpu_by_process_ms={kind: sum(run.server_cpu_by_process.get(kind, 0.0) for run in runs)
+                                      / len(outcomes) * 1e3 for kind in kinds},
         )
 
 
@@ -719,13 +724,35 @@ def serving_processes(root: int, *extra: int) -> list[Any]:
     return found
 
 
-def cpu_seconds(processes: Sequence[Any]) -> float:
-    total = 0.0
+def process_kind(process: Any) -> str:
+    """What a serving process is, for the split of the server CPU: ``tritonserver``, a stub by its
+    model (``preprocess``, ``mm_llm``), ``gateway``, ``vllm API server``, ``vllm render``."""
+    name = process.name()
+    if name == "tritonserver":
+        return name
+    cmdline = " ".join(process.cmdline())
+    if "python_backend_stub" in name or "python_backend_stub" in cmdline:
+        return next((model for model in ("preprocess", "mm_llm") if f"/{model}/" in cmdline), "stub")
+    if "mmserve.gateway" in cmdline:
+        return "gateway"
+    if "render" in cmdline:
+        return "vllm render"
+    return "vllm API server" if "vllm" in cmdline else name
+
+
+def cpu_seconds_by_kind(processes: Sequence[Any]) -> dict[str, float]:
+    """CPU seconds (user + system) of ``processes`` so far, summed by ``process_kind``."""
+    totals: dict[str, float] = {}
     for process in processes:
         with contextlib.suppress(Exception):
             times = process.cpu_times()
-            total += times.user + times.system
-    return total
+            kind = process_kind(process)
+            totals[kind] = totals.get(kind, 0.0) + times.user + times.system
+    return totals
+
+
+def cpu_seconds(processes: Sequence[Any]) -> float:
+    return sum(cpu_seconds_by_kind(processes).values())
 
 
 RENDER_ARGS = ("model", "dtype", "max_model_len", "limit_mm_per_prompt", "mm_processor_cache_gb", "seed")
@@ -929,10 +956,12 @@ async def measure(systems: Sequence[System], settings: Settings) -> list[Run]:
             requests = [make_request(cell.workload, settings.seed(seed, system.name), settings) for seed in cell.seeds]
             await asyncio.sleep(settings.settle_s)
             processes = system.serving() if system.serving else None
-            cpu = cpu_seconds(processes) if processes is not None else None
+            before = cpu_seconds_by_kind(processes) if processes is not None else {}
             wall, outcomes = await system.on_own_loop(run_requests(system, requests, cell.concurrency))
-            used = cpu_seconds(processes) - cpu if processes is not None and cpu is not None else None
-            runs.append(Run(system.name, cell.workload, cell.concurrency, cell.round, wall, outcomes, used))
+            after = cpu_seconds_by_kind(processes) if processes is not None else {}
+            used = {kind: seconds - before.get(kind, 0.0) for kind, seconds in after.items()}
+            runs.append(Run(system.name, cell.workload, cell.concurrency, cell.round, wall, outcomes,
+                            sum(used.values()) if processes is not None else None, used))
             print(progress_line(runs[-1]), flush=True)
     return runs
 
@@ -1100,6 +1129,22 @@ def wire_bytes(settings: Settings) -> dict[str, dict[str, int]]:
                       IN_PROCESS: features}
         table[workload] = {name: per_system[name] for name in settings.systems}
     return table
+
+
+def cpu_split_table(stats: Mapping[tuple[str, int, str], Stats], settings: Settings) -> str:
+    """The server CPU per request by process, at the highest concurrency: where a system's cost is."""
+    level = max(settings.concurrency)
+    lines = [f"### Server CPU by process (ms per request, concurrency {level})", "",
+             "| workload | system | total | by process |", "|---|---|---:|---|"]
+    for workload in settings.workloads:
+        for system in settings.systems:
+            s = stats.get((workload, level, system))
+            if s is None or not s.server_cpu_by_process_ms:
+                continue
+            split = " · ".join(f"{kind} {ms:.1f}" for kind, ms in
+                               sorted(s.server_cpu_by_process_ms.items(), key=lambda item: -item[1]))
+            lines.append(f"| {workload} | {system} | {_ms(s.server_cpu_ms)} | {split} |")
+    return "\n".join(lines)
 
 
 def bytes_table(table: Mapping[str, Mapping[str, int]], settings: Settings) -> str:
@@ -1286,8 +1331,9 @@ class Report:
         return text
 
     def tables(self) -> str:
-        return "\n\n".join(f"### {w}: {describe_workload(w, self.settings)}\n\n"
-                           f"{results_table(w, self.stats, self.settings)}" for w in self.settings.workloads)
+        return "\n\n".join([*(f"### {w}: {describe_workload(w, self.settings)}\n\n"
+                              f"{results_table(w, self.stats, self.settings)}" for w in self.settings.workloads),
+                            cpu_split_table(self.stats, self.settings)])
 
     def markdown(self) -> str:
         s = self.settings
@@ -1326,6 +1372,7 @@ class Report:
                         for (w, c, name), stats in self.stats.items()],
             "runs": [{"system": r.system, "workload": r.workload, "concurrency": r.concurrency, "round": r.round,
                       "wall_s": r.wall_s, "server_cpu_s": r.server_cpu_s,
+                      "server_cpu_by_process": r.server_cpu_by_process,
                       "requests": [outcome_json(o) for o in r.outcomes]} for r in self.runs],
         }
 
