@@ -292,6 +292,7 @@ class Generation:
         self._results = self._read()
         self._cancel_id = f"{self.request_id}.cancel"
         self._cancel_answered = threading.Event()
+        self._ended = threading.Event()  # the request's final response (or error) arrived
         try:
             self._client.start_stream(callback=self._on_answer)
             self._client.async_stream_infer(model, inputs, request_id=self.request_id,
@@ -321,13 +322,15 @@ class Generation:
 
     def close(self) -> None:
         """Close the stream, cancelling the request unless it ended: on the engine (a
-        ``cancel_tensors`` control request to ``llm`` on this stream, its answer awaited), then the
-        gRPC stream's."""
+        ``cancel_tensors`` control request to ``llm`` on this stream, its answer awaited); the
+        request's own end (``CANCELLED``) is then awaited, and only if it does not come within
+        ``CANCEL_TIMEOUT_S`` is the gRPC stream's request cancelled (Triton 2.51 can leave an
+        ensemble request cancelled mid-step counted in flight: its model then never unloads)."""
         with self._lock:
             client, self._client = self._client, None
         if client is None:
             return
-        finished = self._finished
+        finished = self._finished or self._ended.is_set()
         if not finished:
             try:
                 client.async_stream_infer(self.llm, grpc_inputs(cancel_tensors(self.request_id)),
@@ -337,6 +340,7 @@ class Generation:
                 sent = False
             if not (sent and self._cancel_answered.wait(CANCEL_TIMEOUT_S)):
                 cancel_on_engine(self.url, self.request_id, llm=self.llm)
+            finished = self._ended.wait(CANCEL_TIMEOUT_S)
         client.stop_stream(cancel_requests=not finished)
         client.close()
 
@@ -348,6 +352,9 @@ class Generation:
         self._answers.put((result, error))
         if error is not None:  # errors carry no id: the control's, or the request's end; no more waiting
             self._cancel_answered.set()
+            self._ended.set()
+        elif result.get_response().parameters["triton_final_response"].bool_param:
+            self._ended.set()
 
     def _read(self) -> Iterator[Result]:
         try:
