@@ -8,6 +8,10 @@ from collections.abc import Sequence
 
 from mmserve.gateway.app import DEFAULT_MODEL, GatewayConfig
 
+GRACEFUL_SHUTDOWN_S = 10
+"""After SIGTERM, how long streams in flight may still run (uvicorn's graceful shutdown); the drain
+that comes with a stop ends them first."""
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     defaults = GatewayConfig()
@@ -48,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            max_request_bytes=args.max_request_bytes,
                            response_timeout_s=args.response_timeout_s or None)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     return 0
 
 

@@ -502,9 +502,9 @@ class TritonServer:
         self._drained = True  # once per start: what a drain ends is not served again
         from mmserve.drain import drain
 
-        # A stop has 15 s: past the grace period the drain's answer is awaited 2 s at most (the
+        # A stop has 15 s: past the grace period the drain's answer is awaited 1 s at most (the
         # models' finalize ends whatever is left).
-        return drain(self.grpc_url, self.drain_grace_s, llm=self.drain, answer_margin_s=2.0)
+        return drain(self.grpc_url, self.drain_grace_s, llm=self.drain, answer_margin_s=1.0)
 
     @staticmethod
     def _kill_group(pgid: int, grace: float) -> None:
