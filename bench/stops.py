@@ -14,7 +14,7 @@ Busy machine: from just before the signal until the stop ends, a CPU hog on ever
 second vLLM engine starting (``--no-busy``: neither). A stop passes when the launcher exits 0 within
 ``--limit-s`` (15) seconds and leaves no process it started and no /dev/shm file of its server.
 
-    .venv/bin/python bench/stops.py                       # 5 rounds of every state (about 40 min)
+    .venv/bin/python bench/stops.py                       # 5 rounds of every state (about 30 min)
     .venv/bin/python bench/stops.py --rounds 1 --states idle in-flight
 
 Writes ``stops.json`` (every stop) under ``--out`` (default: a new /tmp folder) and prints a table;
