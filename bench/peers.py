@@ -1142,7 +1142,7 @@ def cpu_split_table(stats: Mapping[tuple[str, int, str], Stats], settings: Setti
             if s is None or not s.server_cpu_by_process_ms:
                 continue
             split = " · ".join(f"{kind} {ms:.1f}" for kind, ms in
-                               sorted(s.server_cpu_by_process_ms.items(), key=lambda item: -item[1]))
+                               sorted(s.server_cpu_by_process_ms.items(), key=lambda item: -item[1]) if ms >= 0.05)
             lines.append(f"| {workload} | {system} | {_ms(s.server_cpu_ms)} | {split} |")
     return "\n".join(lines)
 
