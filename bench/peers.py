@@ -514,6 +514,26 @@ def chat_content(request: Request) -> list[dict[str, Any]]:
     return content
 
 
+async def reply_token_ids(reply: aiohttp.ClientResponse, stream: bool) -> TokenStream:
+    """The token ids of a chat completion (``return_token_ids``): its server-sent events' as they
+    come, or the whole answer's."""
+    if not stream:
+        yield (await reply.json())["choices"][0]["token_ids"]
+        return
+    async for line in reply.content:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[len(b"data:"):].strip()
+        if data == b"[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event:
+            raise RuntimeError(f"stream error: {event['error']}")
+        for choice in event["choices"]:
+            if choice.get("token_ids"):
+                yield choice["token_ids"]
+
+
 class OpenAISystem(System):
     """An OpenAI chat completions API (``vllm serve``'s, or this project's gateway), streamed
     (server-sent events) or not, with the token ids returned (vLLM's ``return_token_ids``)."""
@@ -530,21 +550,8 @@ class OpenAISystem(System):
         async with self.session.post(self.url, json=body) as reply:
             if reply.status != 200:
                 raise RuntimeError(f"HTTP {reply.status}: {(await reply.text())[:300]}")
-            if not self.stream:
-                yield (await reply.json())["choices"][0]["token_ids"]
-                return
-            async for line in reply.content:
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[len(b"data:"):].strip()
-                if data == b"[DONE]":
-                    return
-                event = json.loads(data)
-                if "error" in event:
-                    raise RuntimeError(f"stream error: {event['error']}")
-                for choice in event["choices"]:
-                    if choice.get("token_ids"):
-                        yield choice["token_ids"]
+            async for token_ids in reply_token_ids(reply, self.stream):
+                yield token_ids
 
 
 class RenderSystem(System):
@@ -570,21 +577,8 @@ class RenderSystem(System):
         async with self.session.post(self.generate_url, json=rendered) as reply:
             if reply.status != 200:
                 raise RuntimeError(f"generate: HTTP {reply.status}: {(await reply.text())[:300]}")
-            if not self.stream:
-                yield (await reply.json())["choices"][0]["token_ids"]
-                return
-            async for line in reply.content:
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[len(b"data:"):].strip()
-                if data == b"[DONE]":
-                    return
-                event = json.loads(data)
-                if "error" in event:
-                    raise RuntimeError(f"stream error: {event['error']}")
-                for choice in event["choices"]:
-                    if choice.get("token_ids"):
-                        yield choice["token_ids"]
+            async for token_ids in reply_token_ids(reply, self.stream):
+                yield token_ids
 
 
 class InProcessSystem(System):

@@ -242,10 +242,18 @@ class Busy:
                                                stderr=subprocess.DEVNULL))
 
     def stop(self) -> None:
+        # SIGTERM first: the engine's multiprocessing resource tracker (which ignores it) then
+        # removes the engine's named semaphores (/dev/shm/sem.mp-*); SIGKILL of the group leaks them.
         for process in self.processes:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(5)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
 
 
 # -- one stop --------------------------------------------------------------------------------------------
