@@ -46,7 +46,7 @@ def _fault_and_heal(server, references, fault: signal.Signals, detect_within: fl
     [core] = utils.engine_core_pids(server)
     in_flight = [utils.Tracked(server, "mm_ensemble", utils.long_generation(stream), f"{fault.name}-{k}")
                  for k, stream in enumerate((True, True, False))]
-    assert wait_for(lambda: utils.metric(server, "vllm:num_requests_running") >= len(in_flight), 60)
+    utils.wait_running(server, in_flight)
     started = time.monotonic()
     os.kill(core, fault)
     try:
@@ -111,7 +111,7 @@ def test_clean_stop_after_faults(own_server):
     # (they would run for minutes), each with exactly one final response, and the unload follows.
     in_flight = [utils.Tracked(own_server, "mm_ensemble", utils.long_generation(stream, 4000), f"stop-{k}")
                  for k, stream in enumerate((True, True, False))]
-    assert wait_for(lambda: utils.metric(own_server, "vllm:num_requests_running") >= len(in_flight), 60)
+    utils.wait_running(own_server, in_flight)
     started = time.monotonic()
     code = triton.stop()
     took = time.monotonic() - started

@@ -330,6 +330,23 @@ def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.
     return True
 
 
+def wait_running(server: Endpoints, requests: list[Tracked], timeout: float = 60) -> None:
+    """Until the engine holds every one of ``requests``, running or scheduled next
+    (``vllm:num_requests_running`` + ``vllm:num_requests_waiting``); on timeout, fail with what the
+    engine, each request and the server's log showed."""
+    def held() -> float:
+        return metric(server, "vllm:num_requests_running") + metric(server, "vllm:num_requests_waiting")
+
+    if wait_for(lambda: held() >= len(requests), timeout):
+        return
+    engine = {name: metric(server, f"vllm:{name}") for name in
+              ("num_requests_running", "num_requests_waiting", "request_success_total", "generation_tokens_total")}
+    states = [(r.request_id, r.responses, r.finals, r.errors) for r in requests]
+    log = server.server.log_tail() if server.server is not None else "(an external server)"
+    raise AssertionError(f"{len(requests)} requests not all running after {timeout} s: engine {engine}, "
+                         f"requests (id, responses, finals, errors) {states}; the server's log:\n{log}")
+
+
 def generated_after_cancel(server: Endpoints, start: Callable[[], Generation], *, max_tokens: int,
                            tries: int = 3) -> list[tuple[float, float]]:
     """``start()`` a request (``MMClient.start``) of ``max_tokens``, cancel it once generation runs;
