@@ -85,7 +85,6 @@ class TritonMetrics:
         self._outbox = Outbox("mmserve-metrics")
         self._steps: list[StepStats] = []  # posted, not yet applied
         self._steps_lock = threading.Lock()
-        self._gauges: tuple[int | None, int | None] = (None, None)  # (running, waiting) as last set
         family = pb_utils.MetricFamily
         # A MetricFamily must outlive its Metric objects (Triton refuses updates otherwise).
         self._families: list[Any] = []
@@ -135,12 +134,9 @@ class TritonMetrics:
         self.apply(StepStats.merged(steps))
 
     def apply(self, stats: StepStats) -> None:
-        if stats.running is not None and (stats.running, stats.waiting) != self._gauges:
-            if stats.running != self._gauges[0]:
-                self.running.set(stats.running)
-            if stats.waiting != self._gauges[1]:
-                self.waiting.set(stats.waiting)
-            self._gauges = (stats.running, stats.waiting)
+        if stats.running is not None:  # every update: a gauge Triton recreated (model reload) is set again
+            self.running.set(stats.running)
+            self.waiting.set(stats.waiting)
         if stats.prompt_tokens:
             self.prompt_tokens.increment(stats.prompt_tokens)
         if stats.generation_tokens:
