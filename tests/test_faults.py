@@ -46,7 +46,7 @@ def _fault_and_heal(server, references, fault: signal.Signals, detect_within: fl
     [core] = utils.engine_core_pids(server)
     in_flight = [utils.Tracked(server, "mm_ensemble", utils.long_generation(stream), f"{fault.name}-{k}")
                  for k, stream in enumerate((True, True, False))]
-    utils.wait_running(server, in_flight, all_held=False)  # a request not in the engine yet fails UNAVAILABLE too
+    utils.wait_running(server, in_flight)
     started = time.monotonic()
     os.kill(core, fault)
     try:

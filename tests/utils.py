@@ -265,7 +265,6 @@ class Tracked:
         from mmserve.client import grpc_inputs
 
         self.request_id = request_id
-        self.stream = bool(np.asarray(tensors.get("stream", [False])).reshape(-1)[0])
         self.responses = 0
         self.finals = 0
         self.errors: list[str] = []
@@ -331,23 +330,14 @@ def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.
     return True
 
 
-def wait_running(server: Endpoints, requests: list[Tracked], timeout: float = 60, *, all_held: bool = True) -> None:
-    """Until every one of ``requests`` is in flight on the engine and none has finished: the engine
-    holds them all, running or scheduled next (``vllm:num_requests_running`` +
-    ``vllm:num_requests_waiting``), or, unless ``all_held``, it holds some and every streaming one
-    has streamed a response (a generation can end between two polls of the gauges); on timeout,
-    fail with what the engine, each request and the server's log showed."""
+def wait_running(server: Endpoints, requests: list[Tracked], timeout: float = 60) -> None:
+    """Until the engine holds every one of ``requests``, running or scheduled next
+    (``vllm:num_requests_running`` + ``vllm:num_requests_waiting``); on timeout, fail with what the
+    engine, each request and the server's log showed."""
     def held() -> float:
         return metric(server, "vllm:num_requests_running") + metric(server, "vllm:num_requests_waiting")
 
-    def in_flight() -> bool:
-        if any(r.finals for r in requests):
-            return False
-        engine = held()
-        streaming = all(r.responses for r in requests if r.stream)
-        return engine >= len(requests) or (not all_held and engine >= 1 and streaming)
-
-    if wait_for(in_flight, timeout):
+    if wait_for(lambda: held() >= len(requests), timeout):
         return
     engine = {name: metric(server, f"vllm:{name}") for name in
               ("num_requests_running", "num_requests_waiting", "request_success_total", "generation_tokens_total")}
