@@ -44,9 +44,8 @@ def _fault_and_heal(server, references, fault: signal.Signals, detect_within: fl
     from mmserve.client import ClientError
 
     [core] = utils.engine_core_pids(server)
-    in_flight = [utils.Tracked(server, "mm_ensemble", utils.long_generation(stream), f"{fault.name}-{k}")
-                 for k, stream in enumerate((True, True, False))]
-    utils.wait_running(server, in_flight)
+    in_flight = utils.start_held(server, "mm_ensemble", {f"{fault.name}-{k}": utils.long_generation(stream)
+                                                         for k, stream in enumerate((True, True, False))})
     started = time.monotonic()
     os.kill(core, fault)
     try:
@@ -109,9 +108,8 @@ def test_clean_stop_after_faults(own_server):
     assert shm, "the server maps no shared memory? (the check below would be empty)"
     # Generations in flight at the stop: the drain ends them UNAVAILABLE after its grace period
     # (they would run for minutes), each with exactly one final response, and the unload follows.
-    in_flight = [utils.Tracked(own_server, "mm_ensemble", utils.long_generation(stream, 4000), f"stop-{k}")
-                 for k, stream in enumerate((True, True, False))]
-    utils.wait_running(own_server, in_flight)
+    in_flight = utils.start_held(own_server, "mm_ensemble", {f"stop-{k}": utils.long_generation(stream, 4000)
+                                                             for k, stream in enumerate((True, True, False))})
     started = time.monotonic()
     code = triton.stop()
     took = time.monotonic() - started

@@ -313,12 +313,23 @@ def http_status(server: Endpoints, path: str) -> int:
         return exc.code
 
 
-def metric(server: Endpoints, name: str) -> float:
+def metrics(server: Endpoints, *names: str) -> dict[str, float]:
+    """``mm_llm``'s figures of ``names`` from one read of ``/metrics`` (a histogram's ``_count``
+    by that name), each summed over its lines."""
     text = urllib.request.urlopen(server.metrics, timeout=10).read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name) and 'model="mm_llm"' in line]
-    assert values, f"{name} not in /metrics"
-    return sum(values)
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if 'model="mm_llm"' in line:
+            name = line.split("{", 1)[0]
+            if name in names:
+                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    missing = [name for name in names if name not in values]
+    assert not missing, f"{missing} not in /metrics"
+    return values
+
+
+def metric(server: Endpoints, name: str) -> float:
+    return metrics(server, name)[name]
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
@@ -330,20 +341,34 @@ def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.
     return True
 
 
-def wait_running(server: Endpoints, requests: list[Tracked], timeout: float = 60) -> None:
-    """Until the engine holds every one of ``requests``, running or scheduled next
-    (``vllm:num_requests_running`` + ``vllm:num_requests_waiting``); on timeout, fail with what the
-    engine, each request and the server's log showed."""
-    def held() -> float:
-        return metric(server, "vllm:num_requests_running") + metric(server, "vllm:num_requests_waiting")
+ENGINE_FIGURES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds_count",
+                  "vllm:request_success_total", "vllm:generation_tokens_total")
 
-    if wait_for(lambda: held() >= len(requests), timeout):
-        return
-    engine = {name: metric(server, f"vllm:{name}") for name in
-              ("num_requests_running", "num_requests_waiting", "request_success_total", "generation_tokens_total")}
-    states = [(r.request_id, r.responses, r.finals, r.errors) for r in requests]
+
+def start_held(server: Endpoints, model: str, requests: dict[str, dict[str, np.ndarray]],
+               timeout: float = 60) -> list[Tracked]:
+    """Start ``requests`` (request id → inputs) on ``model``, then wait until the engine holds every
+    one: the gauges count them running or scheduled next, or the counters show as many more first
+    tokens and no request finished. On timeout, fail with the figures seen, each request's state
+    and the server's log."""
+    running, waiting, first_tokens, finished, _ = ENGINE_FIGURES
+    before = metrics(server, *ENGINE_FIGURES)
+    tracked = [Tracked(server, model, inputs, request_id) for request_id, inputs in requests.items()]
+    seen: list[tuple[float, ...]] = []
+    started = time.monotonic()
+
+    def held() -> bool:
+        now = metrics(server, *ENGINE_FIGURES)
+        seen.append((round(time.monotonic() - started, 1), *(now[name] for name in ENGINE_FIGURES)))
+        return (now[running] + now[waiting] >= len(tracked)
+                or (now[first_tokens] - before[first_tokens] >= len(tracked) and now[finished] == before[finished]))
+
+    if wait_for(held, timeout):
+        return tracked
+    states = [(r.request_id, r.responses, r.finals, r.errors) for r in tracked]
     log = server.server.log_tail() if server.server is not None else "(an external server)"
-    raise AssertionError(f"{len(requests)} requests not all running after {timeout} s: engine {engine}, "
+    raise AssertionError(f"{len(tracked)} requests not all held by the engine after {timeout} s: figures "
+                         f"(s, {', '.join(ENGINE_FIGURES)}) before {before}, then every 2 s {seen[::10]}; "
                          f"requests (id, responses, finals, errors) {states}; the server's log:\n{log}")
 
 
