@@ -17,6 +17,7 @@ import json
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -218,6 +219,9 @@ def test_health_metadata_and_metrics(server, references):
     assert metric(server, "vllm:generation_tokens_total") >= MAX_TOKENS
     assert metric(server, "vllm:time_to_first_token_seconds_count") >= 1
     assert metric(server, "vllm:e2e_request_latency_seconds_count") >= 1
+    assert metric(server, "vllm:request_time_per_output_token_seconds_count") >= 1
+    # The per-token histogram is opt-in (config.pbtxt report_inter_token_latency: a call per token).
+    assert "vllm:time_per_output_token_seconds" not in urllib.request.urlopen(server.metrics, timeout=10).read().decode()
 
 
 def test_perf_analyzer_against_the_ensemble(server, tmp_path):

@@ -162,3 +162,19 @@ def test_no_module_but_the_seam_imports_vllm_internals():
     )
     stale = {name: sorted(entries - found.get(name, set())) for name, entries in PENDING.items()}
     assert not any(stale.values()), f"moved to the seam: remove from PENDING {stale}"
+
+
+def test_the_silent_prometheus_logger_keeps_vllms_own_out():
+    """vLLM's StatLoggerManager adds a real PrometheusStatLogger unless a custom logger is one:
+    with the silent one among mm_llm's loggers, it is the only Prometheus logger, and inert."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerManager
+
+    from mmserve.vllm_seam import silent_prometheus_logger
+
+    manager = StatLoggerManager(None, custom_stat_loggers=[silent_prometheus_logger()], enable_default_loggers=False)
+    (logger,) = manager.stat_loggers
+    assert isinstance(logger, PrometheusStatLogger) and type(logger) is silent_prometheus_logger()
+    manager.record(None, None)
+    manager.log()
+    manager.log_engine_initialized()
+    assert vars(logger) == {}  # no metric objects made

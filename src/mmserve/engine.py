@@ -39,7 +39,8 @@ class EngineRunner:
     Args:
         model: local checkpoint directory.
         stat_loggers: vLLM stat logger factories (e.g. Triton metrics); with them, vLLM's own
-            periodic stats logging stays off unless ``disable_log_stats=False`` is passed.
+            periodic stats logging stays off unless ``disable_log_stats=False`` is passed, and its
+            Prometheus logger is left out (``vllm_seam.silent_prometheus_logger``: nothing serves it).
         **overrides: vLLM engine arguments (``max_model_len``, ``dtype``, ...).
     """
 
@@ -62,7 +63,8 @@ class EngineRunner:
     async def _create(self) -> AsyncLLM:
         args = AsyncEngineArgs(**self.engine_args)
         if self._stat_loggers:
-            return AsyncLLM.from_engine_args(args, stat_loggers=self._stat_loggers)
+            loggers = [*self._stat_loggers, vllm_seam.silent_prometheus_logger()]
+            return AsyncLLM.from_engine_args(args, stat_loggers=loggers)
         return AsyncLLM.from_engine_args(args)
 
     @property

@@ -11,6 +11,8 @@ that porting to another vLLM release means reading and fixing this file (docs/up
   its ``_processor_factory``, registered with ``MULTIMODAL_REGISTRY``;
 - ``render_prompt``: a prompt dict through the engine's renderer (``parse_model_prompt``,
   ``renderer.render_cmpl_async``); ``engine_core_pids``: the engine-core processes;
+- ``silent_prometheus_logger``: keeps ``StatLoggerManager`` from adding vLLM's Prometheus logger
+  where nothing serves it;
 - internal classes, imported from here on first use (``from mmserve.vllm_seam import X``):
   ``AsyncLLM``, ``DictEmbeddingItems``, ``ModalityDataItems``, ``MultiModalFieldConfig``,
   ``StatLoggerBase``, ``VllmConfig``, ``MsgpackEncoder``, ``MsgpackDecoder``.
@@ -130,6 +132,10 @@ _SIGNATURES = {
     ),
     ("vllm.multimodal", "MULTIMODAL_REGISTRY", "register_processor"): ("processor", "info", "dummy_inputs"),
     ("vllm.renderers.inputs.preprocess", "parse_model_prompt", None): ("model_config", "prompt"),
+    ("vllm.v1.metrics.loggers", "StatLoggerManager", "__init__"): (
+        "self", "vllm_config", "engine_idxs", "custom_stat_loggers", "enable_default_loggers",
+        "aggregate_engine_logging", "client_count",
+    ),
 }
 
 
@@ -161,6 +167,39 @@ def seam_problems() -> list[str]:
 
 
 # --- the engine ----------------------------------------------------------------------------------
+
+
+@functools.cache
+def silent_prometheus_logger() -> type:
+    """A stat logger factory that stands in for vLLM's ``PrometheusStatLogger`` and does nothing.
+
+    vLLM 0.32's ``StatLoggerManager`` adds a ``PrometheusStatLogger`` to the custom loggers unless
+    one of them is one. In a process that serves no vLLM ``/metrics`` (``mm_llm``'s stub, whose
+    metrics go to Triton), it would only feed ``prometheus_client`` series nobody reads, on the
+    engine's loop after every step (about a tenth of that thread's samples in a py-spy profile at
+    concurrency 16, docs/PERFORMANCE.md). Pass this among the ``stat_loggers`` there."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    class SilentPrometheusStatLogger(PrometheusStatLogger):
+        def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+            pass  # no metric objects, nothing registered with prometheus_client
+
+        def record(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def record_admission_rejection(self, reason: str) -> None:
+            pass
+
+        def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+            pass
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+        def log(self) -> None:
+            pass
+
+    return SilentPrometheusStatLogger
 
 
 async def render_prompt(engine: AsyncLLM, prompt: Mapping[str, Any]) -> Any:

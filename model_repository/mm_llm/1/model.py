@@ -37,7 +37,7 @@ use_utf8_locale()  # first: before torch or vLLM read a file (see its docstring)
 
 from mmserve.serving.llm import STREAM_FLUSH_MS, HealthConfig, LLMConfig, LLMService, parse_request
 from mmserve.serving.metrics import TritonMetrics, TritonStatLogger
-from mmserve.serving.triton import TritonSink, parameters, read_input
+from mmserve.serving.triton import TritonSink, flag, parameters, read_input
 
 logger = logging.getLogger("mm_llm")
 
@@ -56,7 +56,8 @@ class TritonPythonModel:
         )
         self.model_name = args["model_name"]
         config = LLMConfig.from_file(os.path.join(args["model_repository"], "model.json"))
-        self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
+        self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]},
+                                     inter_token_latency=flag(params, "report_inter_token_latency"))
         stat_logger = functools.partial(TritonStatLogger, metrics=self.metrics, on_record=self._progress)
         flush_ms = float(params.get("stream_flush_ms", STREAM_FLUSH_MS))
         self.service = LLMService.start(config, stat_loggers=[stat_logger], health=health, on_failure=self._unload,

@@ -2,12 +2,17 @@
 Triton's vLLM backend uses, labelled by model and version.
 
 vLLM calls its stat loggers on the engine's event loop after every step, and each metric update is a
-blocking call into tritonserver: ``TritonStatLogger`` only reads the figures there, and the updates
-run on the metrics' own ``Outbox`` thread.
+blocking round trip to tritonserver: ``TritonStatLogger`` only reads the figures there; the
+updates run on the metrics' own ``Outbox`` thread, the steps that queued up meanwhile merged into one
+update of each counter and gauge. A histogram takes one call per value, so the per-token histogram
+(``vllm:time_per_output_token_seconds``, 32 calls for a 32-token request) is opt-in
+(``report_inter_token_latency``); the per-request one (``vllm:request_time_per_output_token_seconds``,
+vLLM's name) costs one call per request (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +37,8 @@ class StepStats:
     ttfts: tuple[float, ...] = ()
     inter_token_latencies: tuple[float, ...] = ()
     e2e_latencies: tuple[float, ...] = ()
+    request_tpots: tuple[float, ...] = ()
+    """Each finished request's mean time per output token."""
 
     @classmethod
     def read(cls, scheduler_stats: Any, iteration_stats: Any) -> StepStats:
@@ -47,15 +54,37 @@ class StepStats:
             ttfts=tuple(iteration_stats.time_to_first_tokens_iter),
             inter_token_latencies=tuple(iteration_stats.inter_token_latencies_iter),
             e2e_latencies=tuple(finished.e2e_latency for finished in iteration_stats.finished_requests),
+            request_tpots=tuple(finished.mean_time_per_output_token for finished in iteration_stats.finished_requests),
+        )
+
+    @classmethod
+    def merged(cls, steps: list[StepStats]) -> StepStats:
+        """One update for several steps: the last gauges, the counters summed, every observation."""
+        gauges = next((step for step in reversed(steps) if step.running is not None), cls())
+        return cls(
+            gauges.running, gauges.waiting,
+            prompt_tokens=sum(step.prompt_tokens for step in steps),
+            generation_tokens=sum(step.generation_tokens for step in steps),
+            ttfts=tuple(value for step in steps for value in step.ttfts),
+            inter_token_latencies=tuple(value for step in steps for value in step.inter_token_latencies),
+            e2e_latencies=tuple(value for step in steps for value in step.e2e_latencies),
+            request_tpots=tuple(value for step in steps for value in step.request_tpots),
         )
 
 
 class TritonMetrics:
     """The metric families, created once per model instance through ``pb_utils``; updated from
-    their own thread (``post``)."""
+    their own thread (``post``).
 
-    def __init__(self, pb_utils: Any, labels: dict[str, str]) -> None:
+    Args:
+        inter_token_latency: also the per-token histogram ``vllm:time_per_output_token_seconds``
+            (one call into tritonserver per generated token).
+    """
+
+    def __init__(self, pb_utils: Any, labels: dict[str, str], *, inter_token_latency: bool = False) -> None:
         self._outbox = Outbox("mmserve-metrics")
+        self._steps: list[StepStats] = []  # posted, not yet applied
+        self._steps_lock = threading.Lock()
         family = pb_utils.MetricFamily
         # A MetricFamily must outlive its Metric objects (Triton refuses updates otherwise).
         self._families: list[Any] = []
@@ -77,22 +106,35 @@ class TritonMetrics:
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
             family.HISTOGRAM, buckets=TTFT_BUCKETS,
         )
+        self.request_time_per_output_token = metric(
+            "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+            family.HISTOGRAM, buckets=TPOT_BUCKETS,
+        )
         self.time_per_output_token = metric(
             "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
             family.HISTOGRAM, buckets=TPOT_BUCKETS,
-        )
+        ) if inter_token_latency else None
         self.e2e_request_latency = metric(
             "vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
             family.HISTOGRAM, buckets=E2E_BUCKETS,
         )
 
-
     def post(self, stats: StepStats) -> None:
-        """Apply ``stats`` on the metrics' thread (returns at once)."""
-        self._outbox.put(lambda: self.apply(stats))
+        """Apply ``stats`` on the metrics' thread (returns at once); steps posted while an update is
+        queued join it."""
+        with self._steps_lock:
+            self._steps.append(stats)
+            if len(self._steps) > 1:  # an update is queued: it takes this step too
+                return
+        self._outbox.put(self._apply_posted)
+
+    def _apply_posted(self) -> None:
+        with self._steps_lock:
+            steps, self._steps = self._steps, []
+        self.apply(StepStats.merged(steps))
 
     def apply(self, stats: StepStats) -> None:
-        if stats.running is not None:
+        if stats.running is not None:  # every update: a gauge Triton recreated (model reload) is set again
             self.running.set(stats.running)
             self.waiting.set(stats.waiting)
         if stats.prompt_tokens:
@@ -101,17 +143,21 @@ class TritonMetrics:
             self.generation_tokens.increment(stats.generation_tokens)
         for ttft in stats.ttfts:
             self.time_to_first_token.observe(ttft)
-        for itl in stats.inter_token_latencies:
-            self.time_per_output_token.observe(itl)
+        if self.time_per_output_token is not None:
+            for itl in stats.inter_token_latencies:
+                self.time_per_output_token.observe(itl)
+        for tpot in stats.request_tpots:
+            self.request_time_per_output_token.observe(tpot)
+        if stats.e2e_latencies:
+            self.requests_success.increment(len(stats.e2e_latencies))
         for latency in stats.e2e_latencies:
-            self.requests_success.increment(1)
             self.e2e_request_latency.observe(latency)
 
     def close(self) -> None:
         """Apply what is queued, then release the metrics and their families while the stub can
         still talk to Triton (left to interpreter teardown, the families' destructors crash the stub)."""
         self._outbox.close()
-        for name in [n for n in vars(self) if n not in ("_families", "_outbox")]:
+        for name in [n for n in vars(self) if not n.startswith("_")]:
             delattr(self, name)
         self._families.clear()
 

@@ -41,6 +41,16 @@ def parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
     return {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
 
 
+def flag(params: Mapping[str, str], key: str, default: bool = False) -> bool:
+    """A boolean config.pbtxt parameter ("true"/"false", any case; absent or empty: ``default``)."""
+    value = params.get(key, "").strip().lower()
+    if not value:
+        return default
+    if value not in ("true", "false"):
+        raise ValueError(f"parameter {key}: expected true or false, found {params[key]!r}")
+    return value == "true"
+
+
 def read_input(pb_utils: Any, request: Any, name: str) -> np.ndarray | None:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()

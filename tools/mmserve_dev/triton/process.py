@@ -29,7 +29,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from mmserve_dev.triton.install import (
@@ -103,6 +103,19 @@ def _group_members(pgid: int) -> list[int]:
         if len(rest) >= 3 and rest[0] != "Z" and int(rest[2]) == pgid:
             members.append(int(data.split(" ", 1)[0]))
     return members
+
+
+def _describe(pids: Iterable[int]) -> str:
+    """``pid (name, state)`` of each of ``pids`` (Linux /proc), for logs."""
+    described = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                data = f.read()
+            described.append(f"{pid} ({data[data.find('(') + 1:data.rfind(')')]}, {data[data.rfind(')') + 2]})")
+        except OSError:
+            described.append(f"{pid} (gone)")
+    return ", ".join(described)
 
 
 def shm_files_mapped(pids: Iterable[int]) -> set[Path]:
@@ -266,6 +279,8 @@ class TritonServer:
         self._log_handle = None
         self._stop_lock = threading.Lock()
         self._drained = False
+        self.stop_timeline: list[tuple[float, str]] = []
+        """The last stop's phases: (seconds since it began, what ended then), for a slow stop's report."""
 
     # ---------------------------------------------------------------------------------- endpoints
     @property
@@ -453,9 +468,16 @@ class TritonServer:
         Idempotent. Returns the server's exit code (None if it was never started).
         """
         with self._stop_lock:
+            began = time.monotonic()
+            timeline = self.stop_timeline = []
+
+            def phase(what: str) -> None:
+                timeline.append((round(time.monotonic() - began, 2), what))
+
             if self.keeper is not None:  # first: it would load back what the stop unloads
                 self.keeper.stop()
                 self.keeper = None
+                phase("keeper stopped")
             proc, pgid = self.process, self._pgid
             code = None
             if timeout is None:
@@ -465,7 +487,8 @@ class TritonServer:
             mapped = shm_files_mapped(_group_members(pgid)) if pgid is not None else set()
             if proc is not None:
                 if proc.poll() is None:
-                    self.drain_now()
+                    if self.drain:
+                        phase("drained" if self.drain_now() else "drain not answered")
                     signalled = time.monotonic()
                     with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(signal.SIGINT)
@@ -473,13 +496,16 @@ class TritonServer:
                         proc.wait(timeout=max(self.exit_timeout_s - 2.0, 0.0))
                     except subprocess.TimeoutExpired:
                         if pgid is not None:
+                            phase("no exit yet: stacks dumped into the log")
                             dump_stacks(_group_members(pgid))
                         with contextlib.suppress(subprocess.TimeoutExpired):
                             proc.wait(timeout=max(timeout - (time.monotonic() - signalled), 0.0))
                 code = proc.poll()
+                phase(f"tritonserver exited ({code})" if code is not None else "tritonserver still running")
             if pgid is not None:
                 mapped |= shm_files_mapped(_group_members(pgid))
-                self._kill_group(pgid, grace=2.0 if code is not None else 0.0)
+                self._kill_group(pgid, grace=2.0 if code is not None else 0.0, phase=phase)
+                phase("process group gone")
                 for path in mapped:
                     with contextlib.suppress(OSError):
                         path.unlink()
@@ -507,14 +533,15 @@ class TritonServer:
         return drain(self.grpc_url, self.drain_grace_s, llm=self.drain, answer_margin_s=1.0)
 
     @staticmethod
-    def _kill_group(pgid: int, grace: float) -> None:
+    def _kill_group(pgid: int, grace: float, phase: Callable[[str], None] = lambda what: None) -> None:
         # Stubs exit by themselves shortly after the server finalizes their models; give them
         # ``grace`` seconds, then kill what is left of the group and wait until it is gone.
         deadline = time.monotonic() + grace
         while _group_members(pgid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if not _group_members(pgid):
+        if not (left := _group_members(pgid)):
             return
+        phase(f"SIGKILL for what was left: {_describe(left)}")
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
         deadline = time.monotonic() + 10.0

@@ -1,0 +1,105 @@
+"""mm_llm's Triton metrics (mmserve.serving.metrics) against a recording stand-in for pb_utils'
+metric API: what reaches tritonserver, in how many calls."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+from mmserve.serving.metrics import StepStats, TritonMetrics
+
+
+class _Metric:
+    def __init__(self, family: _Family, gate: threading.Event | None) -> None:
+        self.family, self.gate = family, gate
+
+    def _call(self, kind: str, value: float) -> None:
+        if self.gate is not None:
+            self.gate.wait(10)
+        self.family.calls.append((kind, value))
+
+    def set(self, value: float) -> None:
+        self._call("set", value)
+
+    def increment(self, value: float) -> None:
+        self._call("increment", value)
+
+    def observe(self, value: float) -> None:
+        self._call("observe", value)
+
+
+class _Family:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+    created: dict[str, _Family] = {}
+    gate: threading.Event | None = None  # every metric call waits for it
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        self.name, self.kind, self.calls = name, kind, []
+        _Family.created[name] = self
+
+    def Metric(self, labels: dict[str, str], **kwargs: object) -> _Metric:  # noqa: N802 - pb_utils' name
+        return _Metric(self, _Family.gate)
+
+
+def _pb_utils(gate: threading.Event | None = None) -> types.SimpleNamespace:
+    _Family.created, _Family.gate = {}, gate
+    return types.SimpleNamespace(MetricFamily=_Family)
+
+
+def _calls(name: str) -> list[tuple[str, float]]:
+    return _Family.created[name].calls
+
+
+STEP = StepStats(running=3, waiting=1, prompt_tokens=10, generation_tokens=3, ttfts=(0.02,),
+                 inter_token_latencies=(0.004, 0.005), e2e_latencies=(0.3,), request_tpots=(0.0045,))
+
+
+def test_a_step_updates_each_metric_once_and_the_per_token_histogram_is_opt_in():
+    metrics = TritonMetrics(_pb_utils(), {"model": "mm_llm", "version": "1"})
+    assert "vllm:time_per_output_token_seconds" not in _Family.created
+    metrics.post(STEP)
+    metrics.close()
+    assert _calls("vllm:num_requests_running") == [("set", 3)]
+    assert _calls("vllm:num_requests_waiting") == [("set", 1)]
+    assert _calls("vllm:prompt_tokens_total") == [("increment", 10)]
+    assert _calls("vllm:generation_tokens_total") == [("increment", 3)]
+    assert _calls("vllm:request_success_total") == [("increment", 1)]
+    metrics = TritonMetrics(_pb_utils(), {"model": "mm_llm", "version": "1"}, inter_token_latency=True)
+    metrics.post(STEP)
+    metrics.close()
+    assert _calls("vllm:time_per_output_token_seconds") == [("observe", 0.004), ("observe", 0.005)]
+
+
+def test_steps_posted_while_an_update_runs_go_out_merged():
+    gate = threading.Event()
+    metrics = TritonMetrics(_pb_utils(gate), {"model": "mm_llm", "version": "1"}, inter_token_latency=True)
+    metrics.post(STEP)  # its update starts and waits at the gate (a slow tritonserver)
+    later = [StepStats(running=5, waiting=0, generation_tokens=5, inter_token_latencies=(0.006,)),
+             StepStats(generation_tokens=2, ttfts=(0.05,)),  # no scheduler stats: the gauges stay
+             StepStats(running=4, waiting=2, prompt_tokens=7, generation_tokens=4, e2e_latencies=(0.4, 0.5),
+                       request_tpots=(0.01, 0.02))]
+    for step in later:
+        metrics.post(step)
+    gate.set()
+    metrics.close()
+    running = _calls("vllm:num_requests_running")
+    if len(running) == 2:  # the first update took only STEP (the usual case: it started before the rest)
+        assert running == [("set", 3), ("set", 4)]
+        assert _calls("vllm:num_requests_waiting") == [("set", 1), ("set", 2)]
+        assert _calls("vllm:request_success_total") == [("increment", 1), ("increment", 2)]
+        assert _calls("vllm:generation_tokens_total") == [("increment", 3), ("increment", 11)]
+        assert _calls("vllm:prompt_tokens_total") == [("increment", 10), ("increment", 7)]
+    else:  # all four in one update
+        assert running == [("set", 4)]
+        assert _calls("vllm:generation_tokens_total") == [("increment", 14)]
+    # Histograms take every value, in order; the counters add up to the steps' totals.
+    assert [v for _, v in _calls("vllm:time_per_output_token_seconds")] == [0.004, 0.005, 0.006]
+    assert [v for _, v in _calls("vllm:time_to_first_token_seconds")] == [0.02, 0.05]
+    assert [v for _, v in _calls("vllm:e2e_request_latency_seconds")] == [0.3, 0.4, 0.5]
+    assert [v for _, v in _calls("vllm:request_time_per_output_token_seconds")] == [0.0045, 0.01, 0.02]
+    assert sum(v for _, v in _calls("vllm:request_success_total")) == 3
+    assert sum(v for _, v in _calls("vllm:generation_tokens_total")) == 14
+
+
+def test_merged_of_one_step_is_that_step():
+    assert StepStats.merged([STEP]) == STEP
