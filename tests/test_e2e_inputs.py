@@ -285,11 +285,11 @@ _LEAK = re.compile(r"Traceback|File \"|\.py\b|(?<![\w.])/(?:[\w.-]+/)+")
 
 
 def _assert_error(message: str, code: str | None, pattern: str) -> None:
-    from mmserve.client import error_code
+    from mmserve.wire import code_of
 
     assert re.search(pattern, message), f"{message!r} does not match {pattern!r}"
     if code is not None:
-        assert error_code(message) == code, message
+        assert code_of(message) == code, message
         assert f"[{code}] " in message, message
     assert not _LEAK.search(message), f"internals leak: {message!r}"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -466,12 +467,22 @@ def test_abort_and_missing_finish_reason(gateway):
     assert reply.status_code == 500 and "incident" in reply.json()["error"]["message"]
 
 
-def test_cli_help():
+def test_cli_takes_every_option_the_readme_gives(capsys):
+    """The README's command line of the gateway names options its ``--help`` lists."""
+    import re
+
     from mmserve.gateway.__main__ import main
 
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    command = re.search(r"`python -m mmserve\.gateway (.*?)`\.", readme, re.S)
+    assert command, "the README gives no gateway command line"
+    options = set(re.findall(r"--[a-z][a-z-]*", command.group(1)))
+    assert {"--triton-url", "--port"} <= options, options
     with pytest.raises(SystemExit) as info:
         main(["--help"])
     assert info.value.code == 0
+    listed = set(re.findall(r"--[a-z][a-z-]*", capsys.readouterr().out))
+    assert options <= listed, f"in the README, not in --help: {sorted(options - listed)}"
 
 
 def test_return_token_ids_as_vllm_serve_gives_them(gateway):

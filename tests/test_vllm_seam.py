@@ -26,9 +26,6 @@ PUBLIC = {
 }
 """``from <module> import <name>`` allowed outside the seam."""
 
-PENDING: dict[str, set[tuple[str, str]]] = {}
-"""Internal imports outside the seam still to move, by file (relative to src/mmserve)."""
-
 INTERNAL_NAMES = {
     "MULTIMODAL_REGISTRY", "_maybe_apply_prompt_updates", "_processor_factory", "_validate_mm_kwargs",
     "engine_core", "parse_model_prompt", "register_processor", "render_cmpl_async",
@@ -145,14 +142,10 @@ def test_the_import_check_sees_every_form():
 
 
 def test_no_module_but_the_seam_imports_vllm_internals():
-    found: dict[str, set[tuple[str, str]]] = {}
     bad = []
     for name, tree in package_modules():
         for line, module, imported in vllm_imports(tree):
-            if imported in PUBLIC.get(module, ()):
-                continue
-            found.setdefault(name, set()).add((module, imported))
-            if (module, imported) not in PENDING.get(name, set()):
+            if imported not in PUBLIC.get(module, ()):
                 what = f"from {module} import {imported}" if imported else f"import {module}"
                 bad.append(f"src/mmserve/{name}:{line}: {what}")
         bad += [f"src/mmserve/{name}:{line}: uses {n}" for line, n in internal_names(tree)]
@@ -160,8 +153,6 @@ def test_no_module_but_the_seam_imports_vllm_internals():
         "vLLM internals outside mmserve/vllm_seam.py (move them into the seam, or add a public name "
         "to PUBLIC):\n" + "\n".join(bad)
     )
-    stale = {name: sorted(entries - found.get(name, set())) for name, entries in PENDING.items()}
-    assert not any(stale.values()), f"moved to the seam: remove from PENDING {stale}"
 
 
 def test_the_silent_prometheus_logger_keeps_vllms_own_out():

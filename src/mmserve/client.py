@@ -80,12 +80,7 @@ class ClientError(RuntimeError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
-        self.code = error_code(message)
-
-
-def error_code(message: str) -> str | None:
-    """The class of a server error message (see ``ClientError``)."""
-    return code_of(message)
+        self.code = code_of(message)
 
 
 def _read(media: Media) -> bytes:
