@@ -48,7 +48,7 @@ def test_the_runtime_wheel_holds_mmserve_only(runtime_wheel):
     assert _packages(runtime_wheel) == {"mmserve"}
     stems = {Path(name).stem for name in runtime_wheel if name.endswith(".py")}
     assert not stems & {"triton_server", "tiny_models", "hf_reference", "samples", "benchmarking", "numpy2_compat"}
-    for module in ("mmserve/passthrough/processor.py", "mmserve/serving/llm.py", "mmserve/serving/preprocess.py",
+    for module in ("mmserve/passthrough/processor.py", "mmserve/serving/llm.py", "mmserve/serving/preprocess/processor.py",
                    "mmserve/client.py", "mmserve/vllm_seam.py", "mmserve/settings.py"):
         assert module in runtime_wheel, module
     entry_points = next(text for name, text in runtime_wheel.items() if name.endswith(".dist-info/entry_points.txt"))

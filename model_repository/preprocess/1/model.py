@@ -26,6 +26,7 @@ with an incident id only (the traceback goes to the server log, never to the cli
 The logic lives in mmserve.serving.preprocess; see docs/tensors.md.
 """
 
+import functools
 import json
 import logging
 import os
@@ -39,22 +40,14 @@ import triton_python_backend_utils as pb_utils
 
 from mmserve.inputs import mm_limits, read_engine_config
 from mmserve.serving.preprocess import (
-    PreprocessError,
     PreprocessLimits,
     Preprocessor,
+    parse_preprocess_request,
     threads_per_instance,
 )
 from mmserve.serving.triton import error_response, parameters, read_input
 
 logger = logging.getLogger("preprocess")
-
-
-def _input(request, name):
-    return read_input(pb_utils, request, name)
-
-
-def _items(array):
-    return [] if array is None else list(array.reshape(-1))
 
 
 class TritonPythonModel:
@@ -90,27 +83,5 @@ class TritonPythonModel:
         finish_stub()
 
     def _preprocess(self, request):
-        text = _input(request, "text_input")
-        messages = _input(request, "messages")
-        if text is None and messages is None:
-            raise PreprocessError("text_input: required (BYTES [1], the prompt), or messages (BYTES [1], a conversation)")
-        if text is not None and text.size != 1:
-            raise PreprocessError(f"text_input: expected exactly one prompt string, found {text.size}")
-        if messages is not None and messages.size != 1:
-            raise PreprocessError(f"messages: expected exactly one JSON string, found {messages.size}")
-        pcm = _input(request, "audio_pcm")
-        clips = []
-        if pcm is not None and pcm.size:
-            rate = _input(request, "audio_sample_rate")
-            if rate is None or rate.size != 1:
-                raise PreprocessError("audio_sample_rate: required (INT32 [1]) with audio_pcm")
-            clips.append((pcm.reshape(-1), int(rate.reshape(-1)[0])))
-        template = _input(request, "apply_chat_template")
-        return self.preprocessor(
-            None if text is None else text.reshape(-1)[0],  # bytes: the preprocessor decodes UTF-8, names a bad byte
-            images=_items(_input(request, "image")),
-            audios=_items(_input(request, "audio")),
-            pcm=clips,
-            apply_chat_template=True if template is None or template.size == 0 else bool(template.reshape(-1)[0]),
-            messages=None if messages is None else messages.reshape(-1)[0],
-        )
+        parsed = parse_preprocess_request(functools.partial(read_input, pb_utils, request))
+        return self.preprocessor(**parsed.kwargs())

@@ -1,0 +1,411 @@
+"""``Preprocessor``: one checkpoint's HF processor applied to raw requests, within the limits.
+
+The steps of a request: the request-level checks (modalities, counts, bytes: before anything is
+decoded or parsed), the conversation, the media, the template (escaping control tokens), the
+processor, the checks of its output (prompt tokens, one placeholder run per item, finite features).
+When the processor fails, or an item yields no placeholder, each item is processed again on its own
+to name the one at fault (on that error path only).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mmserve.inputs import family_of_checkpoint
+from mmserve.passthrough.placeholders import placeholder_runs
+from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS, empty_feature
+from mmserve.serving.preprocess.escaping import CONTROL_TOKEN_POLICIES, ControlTokenPolicy, ControlTokens, Run
+from mmserve.serving.preprocess.limits import PreprocessError, PreprocessLimits
+from mmserve.serving.preprocess.media import Clip, MediaDecoder
+from mmserve.serving.preprocess.messages import (
+    BYTES_LIKE,
+    Conversation,
+    check_media_counts,
+    decode_text,
+    parse_messages,
+    user_turn,
+    without_media,
+)
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+FALLBACK_AUDIO_SECONDS = 30.0
+"""``max_audio_seconds`` when the feature extractor declares no window."""
+
+# What the HF processor raises on inputs it can't handle; anything else is a fault of ours.
+_PROCESSOR_REJECTIONS = (ValueError, IndexError, TypeError, ArithmeticError, RuntimeError)
+
+
+class Preprocessor:
+    """The HF processor of one checkpoint, applied to raw requests within ``limits``.
+
+    Args:
+        model: local checkpoint directory (the same one ``mm_llm`` serves).
+        limits: bounds on one request (defaults: ``PreprocessLimits()``).
+        user_control_tokens: ``"escape"`` (special-token strings in user text become plain text) or
+            ``"reject"`` (they are refused); applies with the chat template only.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        limits: PreprocessLimits | None = None,
+        user_control_tokens: ControlTokenPolicy = "escape",
+    ) -> None:
+        from transformers import AutoProcessor
+        from transformers.utils import logging as hf_logging
+
+        self.model = str(model)
+        self.family = family_of_checkpoint(model)
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # Omni configs warn about the (unused) talker's defaults
+        try:
+            self.processor = AutoProcessor.from_pretrained(self.model)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        self.tokenizer = self.processor.tokenizer
+        vocab = self.tokenizer.get_vocab()
+        self.placeholder_ids = {
+            spec.modality: (spec.placeholder_token, vocab[spec.placeholder_token])
+            for spec in self.family.modalities
+        }
+        self.modalities = {spec.modality for spec in self.family.modalities}
+        # No token stands for more text than this: a longer text is surely over max_prompt_tokens.
+        self.max_token_bytes = max(len(token.encode()) for token in vocab)
+        extractor = getattr(self.processor, "feature_extractor", None)
+        self.sampling_rate: int | None = getattr(extractor, "sampling_rate", None)
+        self.audio_window_s = self._audio_window(extractor)
+        every_kind = self.chat_prompt("", int("image" in self.modalities), int("audio" in self.modalities))
+        reserved = (getattr(self.processor, f"{kind}_token", None) for kind in ("image", "audio", "video"))
+        try:
+            self.control_tokens = ControlTokens(self.tokenizer, [token for token, _ in self.placeholder_ids.values()],
+                                                every_kind, reserved)
+        except ValueError as exc:
+            raise ValueError(f"{self.model}: {exc}") from None
+        self._min_audio_samples: int | None = None  # found on the first too-short clip
+        self._configure(limits or PreprocessLimits(), user_control_tokens)
+
+    def with_settings(
+        self, *, limits: PreprocessLimits | None = None, user_control_tokens: ControlTokenPolicy | None = None
+    ) -> Preprocessor:
+        """The same loaded processor under other limits or control-token policy (a cheap copy)."""
+        other = copy.copy(self)
+        other._configure(limits or self.limits, user_control_tokens or self.user_control_tokens)
+        return other
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _configure(self, limits: PreprocessLimits, user_control_tokens: str) -> None:
+        if user_control_tokens not in CONTROL_TOKEN_POLICIES:
+            raise ValueError(
+                f"user_control_tokens: expected one of {list(CONTROL_TOKEN_POLICIES)}, found {user_control_tokens!r}"
+            )
+        self.limits = limits
+        self.max_audio_seconds = self._max_audio_seconds()
+        self.user_control_tokens = user_control_tokens
+        self.media = MediaDecoder(limits, self.max_audio_seconds, self.audio_window_s, self.sampling_rate)
+
+    def _audio_window(self, extractor: Any) -> float | None:
+        """The longest clip: the feature extractor's window, or less where the family's encoder
+        accepts less (``ModalitySpec.max_item_seconds``)."""
+        windows = []
+        n_samples = getattr(extractor, "n_samples", None)
+        if n_samples and self.sampling_rate:
+            windows.append(n_samples / self.sampling_rate)
+        audio = self.family.modality("audio")
+        if audio is not None:
+            config = json.loads((Path(self.model) / "config.json").read_text())
+            encoder = audio.max_item_seconds(config, self.processor)
+            if encoder is not None:
+                windows.append(encoder)
+        return min(windows, default=None)
+
+    def _max_audio_seconds(self) -> float:
+        configured = self.limits.max_audio_seconds
+        window = self.audio_window_s
+        if configured is None:
+            return window or FALLBACK_AUDIO_SECONDS
+        if window is not None and configured > window:
+            raise ValueError(
+                f"max_audio_seconds: {configured} s exceeds the model's audio window of {window} s "
+                "(the feature extractor would cut longer clips silently)"
+            )
+        return float(configured)
+
+    # -- text ----------------------------------------------------------------------------------
+    def chat_prompt(self, text: str, num_images: int, num_audios: int) -> str:
+        """One user turn: the images, then the audio clips, then the text; generation prompt on."""
+        return self.render(user_turn(text, num_images, num_audios).messages)
+
+    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The chat template on ``messages`` (HF form), generation prompt on."""
+        return self.processor.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+
+    def _render_text_only(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The template on ``messages`` with their media parts left out."""
+        return self.render(without_media(messages))
+
+    def _templated(self, conversation: Conversation) -> tuple[str, list[Run] | None]:
+        return self.control_tokens.template(conversation, self.user_control_tokens, self.render)
+
+    # -- request-level limits ------------------------------------------------------------------
+    def _check_request(
+        self,
+        text: str | bytes,
+        images: Sequence[bytes | str],
+        audios: Sequence[bytes | str],
+        pcm: Sequence[tuple[np.ndarray, int]],
+        messages: str | bytes | None = None,
+    ) -> None:
+        """Modalities, item counts and total size: all before anything is decoded (or parsed)."""
+        limits = self.limits
+        if images and "image" not in self.modalities:
+            raise PreprocessError(f"image: the {self.family.name} model takes no images")
+        if (audios or pcm) and "audio" not in self.modalities:
+            raise PreprocessError(f"audio: the {self.family.name} model takes no audio")
+        if len(images) > limits.max_images:
+            raise PreprocessError(
+                f"image: {len(images)} images exceed the limit of {limits.max_images} per request (max_images)"
+            )
+        clips = len(audios) + len(pcm)
+        if clips > limits.max_audio_clips:
+            raise PreprocessError(
+                f"audio: {clips} clips (audio and audio_pcm together) exceed the limit of "
+                f"{limits.max_audio_clips} per request (max_audio_clips)"
+            )
+        text_bytes = _byte_size("text_input", text)
+        total = text_bytes + sum(_byte_size(f"image[{i}]", item) for i, item in enumerate(images))
+        total += 0 if messages is None else _byte_size("messages", messages)
+        total += sum(_byte_size(f"audio[{i}]", item) for i, item in enumerate(audios))
+        total += sum(np.asarray(samples).nbytes for samples, _ in pcm)
+        if total > limits.max_request_bytes:
+            raise PreprocessError(
+                f"request: {total} bytes of text and media exceed the limit of {limits.max_request_bytes} "
+                "(max_request_bytes)"
+            )
+        self._check_text_bytes("text_input", text_bytes)
+
+    def _check_text_bytes(self, what: str, text_bytes: int) -> None:
+        """Refuse a text too long for ``max_prompt_tokens`` at any tokenization, before tokenizing it."""
+        limit = self.limits.max_prompt_tokens
+        fewest_tokens = -(-text_bytes // self.max_token_bytes)  # without spending time to tokenize it
+        if fewest_tokens > limit:
+            raise PreprocessError(
+                f"{what}: {text_bytes} bytes make at least {fewest_tokens} tokens, over the limit of "
+                f"{limit} (max_prompt_tokens)"
+            )
+
+    def _conversation(self, messages: str | bytes, num_images: int, num_clips: int) -> Conversation:
+        """``messages`` parsed and checked against the request's media (before any decoding)."""
+        conversation = parse_messages(messages, max_messages=self.limits.max_messages)
+        check_media_counts(conversation, num_images, num_clips)
+        self._check_text_bytes("messages", sum(len(t.text.encode()) for t in conversation.texts))
+        return conversation
+
+    # -- the processor -------------------------------------------------------------------------
+    def _run_processor(self, prompt: str, images: Sequence[Image], clips: Sequence[np.ndarray]) -> Mapping[str, Any]:
+        kwargs: dict[str, Any] = {"text": [prompt], "return_tensors": "np"}
+        for modality, items in (("image", images), ("audio", clips)):
+            spec = self.family.modality(modality)
+            if items and spec is not None:
+                kwargs.update(spec.processor_kwargs(self.processor, items))
+        if images:
+            kwargs["images"] = list(images)
+        if clips:
+            kwargs["audio"] = list(clips)
+            kwargs["sampling_rate"] = self.sampling_rate
+        return self.processor(**kwargs)
+
+    def _item_tokens(self, modality: str, item: Any) -> int:
+        """Placeholder tokens one item yields when processed on its own (error path only)."""
+        if modality == "image":
+            processed = self._run_processor(self.chat_prompt("", 1, 0), [item], [])
+        else:
+            processed = self._run_processor(self.chat_prompt("", 0, 1), [], [item])
+        _, token_id = self.placeholder_ids[modality]
+        return int(np.count_nonzero(np.asarray(processed["input_ids"][0]) == token_id))
+
+    def _blame_item(self, images: Sequence[Image], clips: Sequence[Clip]) -> None:
+        """Raise a ``PreprocessError`` naming the first item the processor rejects on its own."""
+        for index, image in enumerate(images):
+            self._blame_image(f"image[{index}]", image)
+        for clip in clips:
+            self._blame_clip(clip)
+
+    def _blame_image(self, what: str, image: Image) -> None:
+        width, height = image.size
+        try:
+            tokens = self._item_tokens("image", image)
+        except _PROCESSOR_REJECTIONS as exc:
+            raise PreprocessError(f"{what}: {width}x{height} pixels: the processor rejects it ({exc})") from None
+        if tokens == 0:
+            raise PreprocessError(f"{what}: {width}x{height} pixels: the processor gives it no placeholder")
+
+    def _blame_clip(self, clip: Clip) -> None:
+        try:
+            tokens = self._item_tokens("audio", clip.samples)
+        except _PROCESSOR_REJECTIONS as exc:
+            raise PreprocessError(
+                f"{clip.label}: a {clip.seconds:.3f} s clip: the processor rejects it ({exc})"
+            ) from None
+        if tokens == 0:
+            # Rounded up to the millisecond: a clip of the length printed always passes.
+            needed = math.ceil(self._shortest_clip(clip.samples.size) * 1000 / self.sampling_rate) / 1000
+            raise PreprocessError(
+                f"{clip.label}: a {clip.seconds:.3f} s clip is too short: at least {needed:.3f} s needed "
+                "(shorter clips give no audio embedding)"
+            )
+
+    def _shortest_clip(self, too_short: int) -> int:
+        """Fewest samples (at the model's rate) that give one audio placeholder; found once, by search.
+
+        ``too_short``: a length known to give none.
+        """
+        if self._min_audio_samples is None:
+            window = int((self.audio_window_s or self.max_audio_seconds) * self.sampling_rate)
+            low, high = too_short, min(max(2 * too_short, 1), window)  # low gives none
+            while high < window and not self._item_tokens("audio", np.zeros(high, np.float32)):
+                low, high = high, min(2 * high, window)
+            while high - low > 1:  # low gives none, high gives some
+                middle = (low + high) // 2
+                if self._item_tokens("audio", np.zeros(middle, np.float32)):
+                    high = middle
+                else:
+                    low = middle
+            self._min_audio_samples = high
+        return self._min_audio_samples
+
+    def _process(
+        self, prompt: str, images: Sequence[Image], clips: Sequence[Clip], *, raw_prompt: bool,
+        text_only: Callable[[], str] | None, what: str = "text_input",
+    ) -> Mapping[str, Any]:
+        """The processor's output. ``text_only``: the templated text as the processor saw it, without
+        the media (None: escaped, the processor never saw it); ``what``: the input holding the text."""
+        try:
+            return self._run_processor(prompt, images, [clip.samples for clip in clips])
+        except _PROCESSOR_REJECTIONS as exc:
+            failure = exc
+        # Error path: which part of the request does the processor reject?
+        self._blame_item(images, clips)
+        if raw_prompt:  # the caller wrote the prompt, placeholders included
+            raise PreprocessError(f"text_input: the processor rejected the prompt and media: {failure}") from None
+        if text_only is not None:
+            try:
+                self._run_processor(text_only(), [], [])
+            except _PROCESSOR_REJECTIONS as exc:
+                raise PreprocessError(f"{what}: the processor rejects the text ({exc})") from None
+        raise failure  # not the request's fault as far as can be told: an internal error
+
+    def _check_placeholders(
+        self, input_ids: np.ndarray, images: Sequence[Image], clips: Sequence[Clip], *, raw_prompt: bool
+    ) -> None:
+        given = {"image": len(images), "audio": len(clips)}
+        for modality, (token, token_id) in self.placeholder_ids.items():
+            runs = len(placeholder_runs(input_ids, token_id))
+            if runs == given[modality]:
+                continue
+            self._blame_item(images, clips)  # e.g. a clip too short for one embedding
+            if not raw_prompt:
+                raise RuntimeError(f"the templated prompt has {runs} {token} runs for {given[modality]} item(s)")
+            raise PreprocessError(
+                f"text_input: {runs} {token} placeholder(s) in the prompt, "
+                f"but {given[modality]} {modality} item(s) given"
+            )
+
+    # -- the whole step ------------------------------------------------------------------------
+    def __call__(
+        self,
+        text: str | bytes | None = "",
+        images: Sequence[bytes | str] = (),
+        audios: Sequence[bytes | str] = (),
+        pcm: Sequence[tuple[np.ndarray, int]] = (),
+        *,
+        apply_chat_template: bool = True,
+        messages: str | bytes | None = None,
+    ) -> dict[str, np.ndarray]:
+        """``input_ids`` and every feature tensor of the contract, as numpy arrays.
+
+        ``messages``: a conversation (UTF-8 JSON, see the package docstring) instead of ``text``.
+
+        Raises:
+            PreprocessError: the request is invalid or over a limit (the message names the input).
+        """
+        conversation: Conversation | None = None
+        if messages is not None:
+            if text is not None and (not isinstance(text, (str, *BYTES_LIKE)) or len(text)):
+                raise PreprocessError("messages: text_input must be absent or empty when messages is given")
+            if not apply_chat_template:
+                raise PreprocessError("messages: apply_chat_template must not be false when messages is given "
+                                      "(the model's chat template renders the conversation)")
+            self._check_request("", images, audios, pcm, messages)
+            conversation = self._conversation(messages, len(images), len(audios) + len(pcm))
+        else:
+            self._check_request(text, images, audios, pcm)
+            text = decode_text(text)
+        pil_images = [self.media.image(i, data) for i, data in enumerate(images)]
+        clips = self.media.clips(audios, pcm)
+
+        what = "text_input" if conversation is None else "messages"
+        runs: list[Run] | None = None
+        text_only: Callable[[], str] | None = None
+        if conversation is not None:
+            prompt, runs = self._templated(conversation)
+            text_only = functools.partial(self._render_text_only, conversation.messages)
+        elif apply_chat_template:
+            prompt, runs = self._templated(user_turn(text, len(pil_images), len(clips)))
+            text_only = functools.partial(self.chat_prompt, text, 0, 0)
+        else:
+            prompt = text
+        processed = self._process(prompt, pil_images, clips, raw_prompt=not apply_chat_template,
+                                  text_only=text_only if runs is None else None, what=what)
+
+        input_ids = np.asarray(processed["input_ids"][0], dtype=INPUT_IDS.dtype)
+        if runs is not None:
+            input_ids = self.control_tokens.splice(input_ids, runs)
+        if input_ids.size > self.limits.max_prompt_tokens:
+            raise PreprocessError(
+                f"{what}: the prompt is {input_ids.size} tokens after expansion (template, text and media "
+                f"placeholders), over the limit of {self.limits.max_prompt_tokens} (max_prompt_tokens)"
+            )
+        self._check_placeholders(input_ids, pil_images, clips, raw_prompt=not apply_chat_template)
+        return {INPUT_IDS.name: input_ids, **self._features(processed)}
+
+    def _features(self, processed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Every feature tensor of the contract, without padding the model never reads (the
+        family's ``compact``); float ones checked finite."""
+        processed = dict(processed)
+        for modality in self.family.modalities:
+            present = {name: processed[name] for name in modality.field_names if processed.get(name) is not None}
+            if present:
+                processed.update(modality.compact(present))
+        outputs = {}
+        for spec in FEATURE_TENSORS:
+            value = processed.get(spec.name)
+            array = empty_feature(spec) if value is None else np.ascontiguousarray(value, dtype=spec.dtype)
+            if spec.is_float and not np.isfinite(array).all():
+                bad = int(np.count_nonzero(~np.isfinite(array)))
+                raise PreprocessError(
+                    f"{spec.name}: {bad} non-finite values (NaN/Inf) in the processed features "
+                    "(the media's values are out of range)"
+                )
+            outputs[spec.name] = array
+        return outputs
+
+
+def _byte_size(what: str, value: str | bytes) -> int:
+    """Bytes of a text or media element as received (a ``str`` counts as UTF-8)."""
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, BYTES_LIKE):
+        return len(value)
+    expected = "a UTF-8 string" if what in ("text_input", "messages") else "bytes or a data URL"
+    raise PreprocessError(f"{what}: expected {expected}, found {type(value).__name__}")

@@ -1,0 +1,61 @@
+"""One ``preprocess`` request read from its Triton input tensors (what the adapter calls)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mmserve.serving.preprocess.limits import PreprocessError
+
+
+@dataclass
+class PreprocessRequest:
+    """The arguments of ``Preprocessor.__call__``, read from a request's tensors."""
+
+    text: str | bytes | None
+    images: list[Any] = field(default_factory=list)
+    audios: list[Any] = field(default_factory=list)
+    pcm: list[tuple[np.ndarray, int]] = field(default_factory=list)
+    apply_chat_template: bool = True
+    messages: str | bytes | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"text": self.text, "images": self.images, "audios": self.audios, "pcm": self.pcm,
+                "apply_chat_template": self.apply_chat_template, "messages": self.messages}
+
+
+def parse_preprocess_request(get: Callable[[str], np.ndarray | None]) -> PreprocessRequest:
+    """Read one request through ``get(name) -> array | None`` (None: an optional input not sent).
+
+    The prompt stays bytes: the ``Preprocessor`` decodes UTF-8 and names a bad byte.
+    """
+    text, messages = get("text_input"), get("messages")
+    if text is None and messages is None:
+        raise PreprocessError("text_input: required (BYTES [1], the prompt), or messages (BYTES [1], a conversation)")
+    if text is not None and text.size != 1:
+        raise PreprocessError(f"text_input: expected exactly one prompt string, found {text.size}")
+    if messages is not None and messages.size != 1:
+        raise PreprocessError(f"messages: expected exactly one JSON string, found {messages.size}")
+    pcm = get("audio_pcm")
+    clips = []
+    if pcm is not None and pcm.size:
+        rate = get("audio_sample_rate")
+        if rate is None or rate.size != 1:
+            raise PreprocessError("audio_sample_rate: required (INT32 [1]) with audio_pcm")
+        clips.append((pcm.reshape(-1), int(rate.reshape(-1)[0])))
+    template = get("apply_chat_template")
+    return PreprocessRequest(
+        text=None if text is None else text.reshape(-1)[0],
+        images=_items(get("image")),
+        audios=_items(get("audio")),
+        pcm=clips,
+        apply_chat_template=True if template is None or template.size == 0 else bool(template.reshape(-1)[0]),
+        messages=None if messages is None else messages.reshape(-1)[0],
+    )
+
+
+def _items(array: np.ndarray | None) -> list[Any]:
+    return [] if array is None else list(array.reshape(-1))
