@@ -265,7 +265,8 @@ def parse_settings(argv: Sequence[str]) -> Settings:
     out = args.out or (Path(tempfile.mkdtemp(prefix="mmserve-peers-")) if args.quick else ROOT / "docs")
     from mmserve.settings import MODEL
 
-    model_env = f"{MODEL.name}={shlex.quote(MODEL.get())} " if MODEL.get() else ""
+    model = MODEL.get()
+    model_env = f"{MODEL.name}={shlex.quote(model)} " if model else ""
     return Settings(
         systems=tuple(s for s in SYSTEMS if s in args.systems),
         workloads=tuple(w for w in WORKLOADS if w in (args.workloads or usable)),
@@ -394,6 +395,7 @@ class Stats:
         latency = [o.latency_s for o in outcomes]
         intervals = [gap for o in outcomes for gap in o.intervals_s]
         cpu = [run.server_cpu_s for run in runs]
+        known = [c for c in cpu if c is not None]
         kinds = sorted({kind for run in runs for kind in run.server_cpu_by_process})
         return cls(
             requests=len(outcomes), requests_s=len(outcomes) / wall,
@@ -402,7 +404,7 @@ class Stats:
             latency_p50_ms=percentile_ms(latency, 50), latency_p95_ms=percentile_ms(latency, 95),
             interval_p50_ms=percentile_ms(intervals, 50), interval_p99_ms=percentile_ms(intervals, 99),
             responses_per_request=sum(len(o.intervals_s) + 1 for o in outcomes) / len(outcomes),
-            server_cpu_ms=(sum(cpu) / len(outcomes) * 1e3 if all(c is not None for c in cpu) else float("nan")),
+            server_cpu_ms=(sum(known) / len(outcomes) * 1e3 if len(known) == len(cpu) else float("nan")),
             server_cpu_by_process_ms={kind: sum(run.server_cpu_by_process.get(kind, 0.0) for run in runs)
                                       / len(outcomes) * 1e3 for kind in kinds},
         )
@@ -858,7 +860,8 @@ def start_engines(settings: Settings, stack: contextlib.ExitStack) -> Engines:
             runner.result()
     if any(s in TRITON_MODELS for s in settings.systems):
         engines.triton = start_triton(settings, folder, stack)
-        engines.logs.append(engines.triton.log_path)
+        if engines.triton.log_path is not None:
+            engines.logs.append(engines.triton.log_path)
         if GATEWAY in settings.systems:
             engines.gateway, engines.gateway_port = start_gateway(engines.triton, stack)
     if engines.vllm is not None:
@@ -976,7 +979,9 @@ async def connect(settings: Settings, engines: Engines, preprocessing: Preproces
         aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_read=600)))
     if engines.triton is not None:
         triton = engines.triton
-        sources = {ENSEMBLE: raw_tensors, DIRECT: preprocessing}
+        assert triton.pid is not None  # started
+        sources: dict[str, Callable[[Request], Awaitable[dict[str, np.ndarray]]]] = {
+            ENSEMBLE: raw_tensors, DIRECT: preprocessing}
         for name in (s for s in settings.systems if s in sources):
             client = grpc_aio.InferenceServerClient(triton.grpc_url)  # a channel per system
             stack.push_async_callback(client.close)
@@ -1093,11 +1098,11 @@ def results_table(workload: str, stats: Mapping[tuple[str, int, str], Stats], se
         for system in settings.systems:
             s = stats[workload, level, system]
             lines.append(
-                f"| {level} | {system} | {s.requests_s:.2f} | {_ratio(s.requests_s, vllm and vllm.requests_s)} | "
-                f"{s.ttft_p50_ms:.0f} | {_difference_ms(s.ttft_p50_ms, vllm and vllm.ttft_p50_ms)} | "
+                f"| {level} | {system} | {s.requests_s:.2f} | {_ratio(s.requests_s, vllm.requests_s if vllm else None)} | "
+                f"{s.ttft_p50_ms:.0f} | {_difference_ms(s.ttft_p50_ms, vllm.ttft_p50_ms if vllm else None)} | "
                 f"{s.ttft_p95_ms:.0f} | {s.latency_p50_ms:.0f} | {s.responses_per_request:.1f} | "
                 f"{_ms(s.interval_p50_ms)} / {_ms(s.interval_p99_ms)} | {_ms(s.server_cpu_ms)} | "
-                f"{_ratio(s.requests_s, lower and lower.requests_s)} |")
+                f"{_ratio(s.requests_s, lower.requests_s if lower else None)} |")
     return "\n".join(lines)
 
 

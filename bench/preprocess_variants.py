@@ -18,6 +18,7 @@ the valid frames; threads: everything) and prints the ratio. Reproduce (about 1 
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import statistics
 import sys
@@ -66,7 +67,7 @@ def compare(name: str, variants: dict[str, Callable[[int], Any]], requests: int,
     for seed in range(-2, requests):  # negative: warm-up
         results = {}
         for label in (labels if seed % 2 else labels[::-1]):
-            elapsed, results[label] = timed(lambda label=label, seed=seed: variants[label](seed))
+            elapsed, results[label] = timed(functools.partial(variants[label], seed))
             if seed >= 0:
                 times[label].append(elapsed)
                 sizes[label] = nbytes(results[label])
@@ -118,12 +119,12 @@ def main() -> None:
 
     pil = AutoImageProcessor.from_pretrained(args.model, backend="pil")
     fast = processor.image_processor
-    images = {}
+    images: dict[int, Any] = {}
 
     def decoded(seed: int) -> Any:
         if seed not in images:
             images.clear()
-            images[seed] = preprocessor.decode_image(0, png(seed))
+            images[seed] = preprocessor.media.image(0, png(seed))
         return images[seed]
 
     compare("image backend",

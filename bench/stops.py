@@ -36,9 +36,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import psutil
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 ROOT = Path(__file__).resolve().parents[1]
 STATES = ("idle", "in-flight", "bad-and-cancelled", "healed", "gateway")
@@ -218,7 +222,7 @@ def gateway_traffic(served: Served) -> None:
 
     sdk = OpenAI(base_url=f"http://127.0.0.1:{served.openai}/v1", api_key="unused", max_retries=0)
     for k in range(30):
-        messages = [{"role": "user", "content": f"Hello {k}"}]
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": f"Hello {k}"}]
         if k % 3:
             sdk.chat.completions.create(model="mm_ensemble", messages=messages, max_tokens=16)
         else:

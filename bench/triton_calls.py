@@ -126,12 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         (model / "1" / "model.py").write_text(MODEL)
         server = TritonServer(folder)
         server.start(timeout=120)
+        pid = server.pid
+        assert pid is not None  # started
         try:
             results: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in KINDS}
-            measure(server.grpc_url, server.pid, "observe", 100)  # warm-up
+            measure(server.grpc_url, pid, "observe", 100)  # warm-up
             for _ in range(args.rounds):
                 for kind in KINDS:
-                    results[kind].append(measure(server.grpc_url, server.pid, kind, args.calls))
+                    results[kind].append(measure(server.grpc_url, pid, kind, args.calls))
         finally:
             server.stop()
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's test command: environment, tiny checkpoints, lint, then the whole pytest suite.
+# The project's test command: environment, tiny checkpoints, lint and types, then the whole pytest suite.
 #   scripts/test.sh [pytest args...]
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -7,7 +7,9 @@ cd "$ROOT"
 bash scripts/setup_env.sh
 VENV=${MMSERVE_VENV:-$ROOT/.venv}
 "$VENV/bin/python" -m mmserve_dev.tiny_models
-"$VENV/bin/ruff" check "$ROOT"  # lint first: fast, and a finding fails the run
+# Lint and type-check first: fast (seconds), and a finding fails the run. Settings: pyproject.toml.
+"$VENV/bin/ruff" check "$ROOT"
+(cd "$ROOT" && "$VENV/bin/mypy")
 set +e
 "$VENV/bin/python" -m pytest "$@"
 rc=$?

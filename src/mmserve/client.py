@@ -255,10 +255,10 @@ class MMClient:
             if not flags["stream"]:
                 yield _result_from_json(reply.json())
                 return
-            for line in reply.iter_lines(decode_unicode=True):
-                if not line or not line.startswith("data:"):
+            for line in reply.iter_lines():  # bytes: json reads them as UTF-8 (requests would guess Latin-1)
+                if not line.startswith(b"data:"):
                     continue
-                event = json.loads(line[len("data:"):])
+                event = json.loads(line[len(b"data:"):])
                 if "error" in event:
                     raise ClientError(event["error"])
                 yield _result_from_json(event)

@@ -186,7 +186,7 @@ class EngineRunner:
 
     async def _close(self) -> None:
         # On the loop, so the engine's output handler is cancelled before its core goes away.
-        engine, self.engine = self.engine, None  # type: ignore[assignment]
+        engine, self.engine = self.engine, None
         # vLLM waits this long for its processes before it kills them (its default, 5 s, is most of
         # a 15-s stop budget); what they leave in /dev/shm is removed by shutdown().
         engine.shutdown(timeout=SHUTDOWN_GRACE_S)

@@ -358,7 +358,7 @@ def derive_model_class(
     ``supports_mm_device_do_normalize``: whether raw images may be normalized on the device."""
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
-    stock = base._processor_factory
+    stock = base._processor_factory  # type: ignore[attr-defined]  # set by vLLM's register_processor
     info_cls = type(f"{name}ProcessingInfo", (info_mixin, stock.info), dict(attrs))
     processor_cls = type(f"{name}Processor", (processor_mixin, stock.processor), dict(attrs))
     model_cls = type(

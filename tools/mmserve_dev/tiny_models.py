@@ -316,7 +316,8 @@ def _train_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
     )
     tok.train_from_iterator(_training_text(), trainer)
     model = json.loads(tok.to_str())["model"]
-    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    pairs = (m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"])  # "a b" or ["a", "b"]
+    merges = [(first, second) for first, second in pairs]
     return dict(model["vocab"]), merges
 
 

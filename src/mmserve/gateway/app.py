@@ -16,7 +16,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -193,7 +193,7 @@ async def _chat(request: Request, config: GatewayConfig, backend: Any, fetcher: 
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _next(deltas: AsyncIterator[Delta]) -> Delta | None:
+async def _next(deltas: AsyncGenerator[Delta, None]) -> Delta | None:
     async for delta in deltas:
         return delta
     return None
@@ -284,7 +284,7 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-async def _events(answer: _Answer, first: Delta, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
+async def _events(answer: _Answer, first: Delta, deltas: AsyncGenerator[Delta, None]) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed completion; an error after the first event is sent as
     an ``{"error": ...}`` event (the HTTP status is 200 by then), which the SDKs raise."""
     try:

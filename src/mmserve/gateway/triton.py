@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,7 +115,7 @@ def _delta_via_as_numpy(result: Any) -> Delta:
     )
 
 
-def _grpc_error(exc: BaseException) -> APIError:
+def _grpc_error(exc: Any) -> APIError:
     """An ``APIError`` from a grpc ``RpcError`` or tritonclient's ``InferenceServerException``."""
     code = getattr(exc, "code", None)
     if callable(code):  # grpc.aio.AioRpcError
@@ -258,7 +258,7 @@ class TritonBackend:
             queue.put_nowait(_Broken(failure))
 
     # -- one request -----------------------------------------------------------------------------
-    async def generate(self, tensors: Mapping[str, np.ndarray], request_id: str) -> AsyncIterator[Delta]:
+    async def generate(self, tensors: Mapping[str, np.ndarray], request_id: str) -> AsyncGenerator[Delta, None]:
         """The model's responses to one request; an error response raises ``APIError``. Closing the
         iterator before its end cancels the request on the engine."""
         if request_id in self._pending:

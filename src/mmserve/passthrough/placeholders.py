@@ -9,7 +9,7 @@ import numpy as np
 from mmserve.errors import ProcessedInputError
 
 
-def placeholder_runs(prompt_ids: Sequence[int], token_id: int) -> list[tuple[int, int]]:
+def placeholder_runs(prompt_ids: Sequence[int] | np.ndarray, token_id: int) -> list[tuple[int, int]]:
     """Maximal runs of ``token_id`` in ``prompt_ids`` as ``(offset, length)``, in prompt order."""
     is_token = np.asarray(prompt_ids, dtype=np.int64) == token_id
     if not is_token.any():

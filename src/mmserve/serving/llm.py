@@ -312,7 +312,7 @@ class LLMService:
         flush_ms = self.stream_flush_ms if request.stream_flush_ms is None else request.stream_flush_ms
         entry = _InFlight(sink, flush_s=flush_ms / 1000 if request.stream else 0.0)
         with self._lock:
-            refused = self._unavailable()
+            refused: ServiceError | None = self._unavailable()
             if refused is None and self._cancelled_early(client_id):
                 refused = CancelledError("the request was cancelled")
             if refused is None:

@@ -141,9 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         while server.is_running() and (gateway is None or gateway.poll() is None):
             time.sleep(0.5)
         if not server.is_running():
+            assert server.process is not None  # started above
             print(f"tritonserver exited by itself (code {server.process.returncode}); log tail:", file=sys.stderr)
             print(server.log_tail(), file=sys.stderr)
         else:
+            assert gateway is not None  # the loop ends on a dead server or a dead gateway
             print(f"the OpenAI gateway exited by itself (code {gateway.returncode}); stopping", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mmserve import settings
+from mmserve.settings import CACHE_DIR
 
 __all__ = ["TritonInstall", "TritonServerError", "find_tritonserver", "prepare_backend_dir", "python_libdir", "venv_bin"]
 
@@ -120,7 +120,7 @@ def venv_bin() -> Path:
 
 
 def _default_cache_dir() -> Path:
-    base = settings.CACHE_DIR.get()
+    base = CACHE_DIR.get()
     if base:
         return Path(base) / "triton"
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -315,7 +315,7 @@ def _self_test() -> None:
     """Inside the stub: pybind11 must take NumPy's C API from the patched table (it does so on first
     use); a tensor built through DLPack must read back through as_numpy()."""
     try:
-        import c_python_backend_utils  # type: ignore[import-not-found]
+        import c_python_backend_utils
     except ImportError:  # not inside the stub
         return
     try:

@@ -31,6 +31,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import IO, TYPE_CHECKING
 
 from mmserve_dev.triton.install import (
     TritonServerError,
@@ -39,6 +40,9 @@ from mmserve_dev.triton.install import (
     python_libdir,
     venv_bin,
 )
+
+if TYPE_CHECKING:  # imported where it is used: only a server that keeps models loaded needs it
+    from mmserve.serving.keeper import ModelKeeper
 
 __all__ = ["TritonServer", "free_ports", "remove_stale_shm", "shm_files_mapped"]
 
@@ -273,10 +277,10 @@ class TritonServer:
         self.keep_loaded = list(keep_loaded)
         self.host = host
         self.drain, self.drain_grace_s = drain, drain_grace_s
-        self.keeper = None
+        self.keeper: ModelKeeper | None = None
         self.process: subprocess.Popen[bytes] | None = None
         self._pgid: int | None = None
-        self._log_handle = None
+        self._log_handle: IO[bytes] | None = None
         self._stop_lock = threading.Lock()
         self._drained = False
         self.stop_timeline: list[tuple[float, str]] = []
@@ -413,9 +417,9 @@ class TritonServer:
         if self.log_path is None:
             print(f"$ {' '.join(cmd)}", flush=True)
         else:
-            self._log_handle = open(self.log_path, "ab")  # noqa: SIM115 - open while the server runs
-            self._log_handle.write(f"$ {' '.join(cmd)}\n".encode())
-            self._log_handle.flush()
+            self._log_handle = log = open(self.log_path, "ab")  # noqa: SIM115 - open while the server runs
+            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.flush()
         self.process = subprocess.Popen(
             cmd,
             env=env,

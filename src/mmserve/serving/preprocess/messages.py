@@ -57,7 +57,7 @@ def without_media(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
     return plain
 
 
-def decode_text(text: str | bytes, what: str = "text_input") -> str:
+def decode_text(text: object, what: str = "text_input") -> str:
     """``text_input`` (or the input ``what``) as a ``str``; invalid UTF-8 is an error naming the byte offset."""
     if isinstance(text, str):
         return text

@@ -160,7 +160,7 @@ class Preprocessor:
     # -- request-level limits ------------------------------------------------------------------
     def _check_request(
         self,
-        text: str | bytes,
+        text: object,
         images: Sequence[bytes | str],
         audios: Sequence[bytes | str],
         pcm: Sequence[tuple[np.ndarray, int]],
@@ -259,11 +259,17 @@ class Preprocessor:
             ) from None
         if tokens == 0:
             # Rounded up to the millisecond: a clip of the length printed always passes.
-            needed = math.ceil(self._shortest_clip(clip.samples.size) * 1000 / self.sampling_rate) / 1000
+            needed = math.ceil(self._shortest_clip(clip.samples.size) * 1000 / self._audio_rate()) / 1000
             raise PreprocessError(
                 f"{clip.label}: a {clip.seconds:.3f} s clip is too short: at least {needed:.3f} s needed "
                 "(shorter clips give no audio embedding)"
             )
+
+    def _audio_rate(self) -> int:
+        """The feature extractor's rate; a model that takes audio has one (clips are decoded at it)."""
+        if self.sampling_rate is None:
+            raise RuntimeError(f"the {self.family.name} processor has no feature extractor sampling_rate")
+        return self.sampling_rate
 
     def _shortest_clip(self, too_short: int) -> int:
         """Fewest samples (at the model's rate) that give one audio placeholder; found once, by search.
@@ -271,7 +277,7 @@ class Preprocessor:
         ``too_short``: a length known to give none.
         """
         if self._min_audio_samples is None:
-            window = int((self.audio_window_s or self.max_audio_seconds) * self.sampling_rate)
+            window = int((self.audio_window_s or self.max_audio_seconds) * self._audio_rate())
             low, high = too_short, min(max(2 * too_short, 1), window)  # low gives none
             while high < window and not self._item_tokens("audio", np.zeros(high, np.float32)):
                 low, high = high, min(2 * high, window)
@@ -340,6 +346,7 @@ class Preprocessor:
             PreprocessError: the request is invalid or over a limit (the message names the input).
         """
         conversation: Conversation | None = None
+        prompt_text = ""
         if messages is not None:
             if text is not None and (not isinstance(text, (str, *BYTES_LIKE)) or len(text)):
                 raise PreprocessError("messages: text_input must be absent or empty when messages is given")
@@ -350,7 +357,7 @@ class Preprocessor:
             conversation = self._conversation(messages, len(images), len(audios) + len(pcm))
         else:
             self._check_request(text, images, audios, pcm)
-            text = decode_text(text)
+            prompt_text = decode_text(text)
         pil_images = [self.media.image(i, data) for i, data in enumerate(images)]
         clips = self.media.clips(audios, pcm)
 
@@ -361,10 +368,10 @@ class Preprocessor:
             prompt, runs = self._templated(conversation)
             text_only = functools.partial(self._render_text_only, conversation.messages)
         elif apply_chat_template:
-            prompt, runs = self._templated(user_turn(text, len(pil_images), len(clips)))
-            text_only = functools.partial(self.chat_prompt, text, 0, 0)
+            prompt, runs = self._templated(user_turn(prompt_text, len(pil_images), len(clips)))
+            text_only = functools.partial(self.chat_prompt, prompt_text, 0, 0)
         else:
-            prompt = text
+            prompt = prompt_text
         processed = self._process(prompt, pil_images, clips, raw_prompt=not apply_chat_template,
                                   text_only=text_only if runs is None else None, what=what)
 
@@ -401,7 +408,7 @@ class Preprocessor:
         return outputs
 
 
-def _byte_size(what: str, value: str | bytes) -> int:
+def _byte_size(what: str, value: object) -> int:
     """Bytes of a text or media element as received (a ``str`` counts as UTF-8)."""
     if isinstance(value, str):
         return len(value.encode())
