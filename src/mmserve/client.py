@@ -74,7 +74,8 @@ class ClientError(RuntimeError):
     """The server answered with an error (its message is kept as is).
 
     ``code``: ``INVALID_ARG``, ``UNAVAILABLE``, ``CANCELLED`` or ``INTERNAL`` as the server tagged the
-    message (``[CODE] ...``; Triton 2.51 carries no status code for decoupled models), ``UNAVAILABLE``
+    message (``[CODE] ...``; Triton 2.51 carries no status code for decoupled models: ``mmserve.triton_seam``
+    ERROR_CODE_TAG), ``UNAVAILABLE``
     for Triton's own "model not available" answers, else ``None``.
     """
 
@@ -320,7 +321,7 @@ class Generation:
         ``cancel_tensors`` control request to ``llm`` on this stream, its answer awaited); the
         request's own end (``CANCELLED``) is then awaited, and only if it does not come within
         ``CANCEL_TIMEOUT_S`` is the gRPC stream's request cancelled (Triton 2.51 can leave an
-        ensemble request cancelled mid-step counted in flight: its model then never unloads)."""
+        ensemble request cancelled mid-step counted in flight: ``mmserve.triton_seam`` CANCEL_CONTROL_INPUT)."""
         with self._lock:
             client, self._client = self._client, None
         if client is None:

@@ -5,7 +5,7 @@
   ``config.pbtxt`` files list the same tensors for Triton; ``tests/test_serving.py`` checks that they
   agree. The feature tensors between ``preprocess`` and ``mm_llm`` are the families' business
   (``mmserve.serving.contract``).
-* How the class of an error travels to clients on Triton 2.51:
+* How the class of an error travels to clients on Triton 2.51 (``mmserve.triton_seam``: ERROR_CODE_TAG):
 
 Triton 2.51 drops the error code on the paths decoupled models answer on (gRPC stream responses
 carry only a message; the HTTP generate endpoints answer 400 for any model error), so the models

@@ -302,7 +302,7 @@ async def _events(answer: _Answer, first: Delta, deltas: AsyncGenerator[Delta, N
             if answer.finish_reason is not None:
                 yield _sse(answer.chunk({}, finish_reason=answer.finish_reason))
                 # Read the stream to its end: closing it now would cancel a request Triton is
-                # completing, which crashes Triton 2.51.
+                # completing, which crashes Triton 2.51 (mmserve.triton_seam: READ_STREAM_TO_END).
                 async for _ in deltas:
                     pass
                 break

@@ -5,7 +5,8 @@ apart by request id.
 Leaving a request's response iteration early (the HTTP client went away, the task was cancelled,
 Triton sent nothing for ``response_timeout_s``) sends ``mm_llm`` a cancel for the request's id on
 the same stream (``mmserve.client.cancel_tensors``): it aborts the engine request, which Triton's
-ensemble scheduler would not do for a cancelled stream either.
+ensemble scheduler would not do for a cancelled stream either (``mmserve.triton_seam``:
+CANCEL_CONTROL_INPUT).
 """
 
 from __future__ import annotations

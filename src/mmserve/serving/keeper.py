@@ -1,4 +1,5 @@
-"""Keep models loaded that unload themselves after a fault: what heals ``mm_llm``.
+"""Keep models loaded that unload themselves after a fault: what heals ``mm_llm``
+(``mmserve.triton_seam``: KEEPER_OUTSIDE_THE_SERVER).
 
 ``mm_llm`` answers a dead or wedged engine by failing its requests UNAVAILABLE and asking Triton to
 unload it: while it is gone, ``/v2/health/ready`` and the readiness of ``mm_llm`` and of the

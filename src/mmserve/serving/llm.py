@@ -255,7 +255,7 @@ class LLMService:
         on_failure: called once, from the watcher's thread, after the service failed; not once
             ``shutdown`` began, and ``shutdown`` waits for a call in progress (in ``mm_llm`` it is
             ``pb_utils.unload_model``: a stub that makes that call while its model is being
-            finalized crashes tritonserver 2.51, measured).
+            finalized crashes tritonserver 2.51: ``mmserve.triton_seam`` NO_UNLOAD_WHILE_FINALIZING).
     """
 
     def __init__(self, runner: EngineRunner, *, health: HealthConfig | None = None,

@@ -2,7 +2,7 @@
 config ``parameters``, input tensors, and ``TritonSink``, the guard of a decoupled request's responses. ``pb_utils`` (``triton_python_backend_utils``) exists only in
 the Python-backend stub, so it is passed in.
 
-Error codes and what clients see on Triton 2.51: the models send the taxonomy's code
+Error codes and what clients see on Triton 2.51 (``mmserve.triton_seam``: ERROR_CODE_TAG): the models send the taxonomy's code
 (``mmserve.errors``), but that release drops it on the two paths decoupled models answer on: gRPC
 stream responses carry only a message, and the HTTP generate endpoints answer 400 for any model
 error (later releases map codes to statuses). So every message also starts with its code in
@@ -61,7 +61,8 @@ class TritonSink:
     guarded so that the request gets exactly one final response, whatever calls it from which thread.
 
     * Every send after the final one is dropped (and logged): Triton would refuse it.
-    * ``is_cancelled()`` is never asked of a finished request: Triton 2.51 crashes
+    * ``is_cancelled()`` is never asked of a finished request (``mmserve.triton_seam``:
+      NO_POLL_AFTER_FINAL): Triton 2.51 crashes
       (SIGSEGV in ``TRITONBACKEND_ResponseFactoryIsCancelled``) when a Python model asks that after
       the final response; a final send and every poll hold one lock.
     * The final send drops the sender: Triton frees the request's response factory, which holds the

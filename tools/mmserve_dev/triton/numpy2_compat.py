@@ -1,4 +1,5 @@
-"""NumPy 2 compatibility for the Python-backend stub of nvidia-pytriton 0.7.0 (Triton 2.51).
+"""NumPy 2 compatibility for the Python-backend stub of nvidia-pytriton 0.7.0 (Triton 2.51;
+``mmserve.triton_seam``: NUMPY2_STUB).
 
 Who needs it: the ``triton_python_backend_stub`` binaries shipped in the ``nvidia-pytriton`` 0.7.0
 wheel (tritonserver 2.51.0) when the stub runs under NumPy >= 2. They are built with a pybind11 older

@@ -1,0 +1,134 @@
+"""Every workaround for a Triton Inference Server release, in one list.
+
+The tests and ``scripts/serve.sh`` run ``TRITON_TESTED`` (the CPU ``tritonserver`` binary of
+nvidia-pytriton 0.7.0); the image (``Dockerfile``) runs ``TRITON_IMAGE`` (NGC 25.10). Each
+``Workaround`` below says what the tested release does wrong, what mmserve does about it, which
+files carry it (each names its key), why it is harmless where the release is fixed, and the release
+that ends it. None has been re-measured on a later release yet: ``ends`` says so, and dropping one
+means running ``tests/test_faults.py`` and ``bench/stops.py`` on that release first
+(docs/RELIABILITY.md). ``tests/test_triton_seam.py`` checks that every note about a Triton release
+in ``src/`` and ``model_repository/`` is in a file listed here and that the tested server is
+``TRITON_TESTED``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRITON_TESTED = "2.51.0"
+"""The tritonserver release the tests run (its ``/v2`` metadata ``version``)."""
+
+TRITON_IMAGE = "2.62.0"
+"""The tritonserver release of the image's base, ``nvcr.io/nvidia/tritonserver:25.10-py3``."""
+
+UNVERIFIED = "not known: not re-measured on a release after " + TRITON_TESTED
+
+
+@dataclass(frozen=True)
+class Workaround:
+    key: str
+    bug: str
+    """What ``TRITON_TESTED`` does wrong (measured)."""
+    fix: str
+    """What mmserve does about it."""
+    where: tuple[str, ...]
+    """The files that carry it, relative to the repository; each names ``key``."""
+    harmless: str
+    """Why it costs nothing (or what it costs) on a release without the bug."""
+    ends: str = UNVERIFIED
+
+
+WORKAROUNDS = (
+    Workaround(
+        "ERROR_CODE_TAG",
+        "the error code of a decoupled model's response is lost: gRPC stream responses carry only the "
+        "message, the HTTP generate endpoints answer 400 for every model error",
+        "every error message starts with its code, '[UNAVAILABLE] ...'; clients read it back "
+        "(mmserve.wire.code_of)",
+        ("src/mmserve/wire.py", "src/mmserve/serving/triton.py", "src/mmserve/client.py",
+         "src/mmserve/gateway/errors.py"),
+        "the code still travels as Triton's status where a release carries it; the tag is a prefix of the "
+        "message and is read the same way",
+        "HTTP: 2.52 maps model error codes to statuses (HttpCodeFromError); gRPC stream responses: "
+        + UNVERIFIED,
+    ),
+    Workaround(
+        "NO_POLL_AFTER_FINAL",
+        "is_cancelled() on a request whose final response was sent crashes tritonserver (SIGSEGV in "
+        "TRITONBACKEND_ResponseFactoryIsCancelled)",
+        "TritonSink never asks a finished request; its final send and every poll hold one lock",
+        ("src/mmserve/serving/triton.py",),
+        "one uncontended lock per send and per poll",
+    ),
+    Workaround(
+        "NO_UNLOAD_WHILE_FINALIZING",
+        "a stub that calls unload_model while its model is being finalized crashes tritonserver",
+        "LLMService calls on_failure (mm_llm: unload_model) only before its shutdown began, and its "
+        "shutdown waits for a call in progress",
+        ("src/mmserve/serving/llm.py",),
+        "a stop waits for an unload already under way (it takes milliseconds)",
+    ),
+    Workaround(
+        "KEEPER_OUTSIDE_THE_SERVER",
+        "a Python model can say 'not ready' only by unloading itself, and it cannot load a model back: a "
+        "stub that loads a model after its own unload corrupts its heap; one that polls is_model_ready "
+        "beside its requests crashes tritonserver (boost::interprocess::lock_exception)",
+        "a failed mm_llm unloads itself; mmserve.serving.keeper, a client of the HTTP repository API "
+        "beside the server, loads it (and mm_ensemble) back",
+        ("src/mmserve/serving/keeper.py",),
+        "a sidecar that polls the repository index every second; it is how a fault heals on any release",
+    ),
+    Workaround(
+        "CANCEL_CONTROL_INPUT",
+        "the ensemble scheduler does not cancel a running step of a cancelled ensemble request, and a "
+        "request cancelled mid-step can stay counted in flight (its model then never unloads)",
+        "clients cancel on the engine: a control request with the 'cancel' input to mm_llm on the same "
+        "stream; the gRPC stream's own cancel only if the request's end does not follow in time",
+        ("src/mmserve/client.py", "src/mmserve/gateway/triton.py", "model_repository/mm_llm/config.pbtxt"),
+        "one small extra request per cancel; the engine request stops at once either way",
+    ),
+    Workaround(
+        "READ_STREAM_TO_END",
+        "closing a stream whose request Triton is completing crashes tritonserver",
+        "the gateway reads a finished request's stream to its end (the empty final response) before it "
+        "closes it",
+        ("src/mmserve/gateway/app.py",),
+        "one more response read per request, sent by Triton anyway",
+    ),
+    Workaround(
+        "STUB_EXITS_WITH_SERVER",
+        "a stub notices its server's death late or never (one ran 40 s after tritonserver's SIGKILL), "
+        "and the engine processes it started run on with it",
+        "a thread in mm_llm's stub polls its parent; once re-parented it kills the engine, removes its "
+        "shared memory and exits",
+        ("src/mmserve/serving/embedded.py",),
+        "a getppid() per second",
+    ),
+    Workaround(
+        "FREE_SENDERS_BEFORE_EXIT",
+        "a response sender freed at the stub's interpreter exit crashes the stub",
+        "finish_stub collects garbage at the end of finalize, while the stub can still free senders",
+        ("src/mmserve/serving/embedded.py",),
+        "one garbage collection per model unload",
+    ),
+    Workaround(
+        "ENSEMBLE_TEXT_INPUT_OPTIONAL",
+        "an ensemble request without a required input gets an empty success",
+        "mm_ensemble marks text_input optional; preprocess answers '[INVALID_ARG] text_input: required'",
+        ("model_repository/mm_ensemble/config.pbtxt",),
+        "preprocess checks it on every release",
+    ),
+    Workaround(
+        "NUMPY2_STUB",
+        "the Python-backend stubs in the nvidia-pytriton 0.7.0 wheel are built with a pybind11 older "
+        "than 2.12, which misreads dtype sizes under NumPy 2 (which vLLM needs)",
+        "the CPU launcher installs a patched NumPy C-API table in its copy of the Python backend "
+        "(development tooling only)",
+        ("tools/mmserve_dev/triton/numpy2_compat.py",),
+        "under NumPy 1 it does nothing; NGC's images build their stubs with a newer pybind11 and never "
+        "load it (the image does not use the launcher)",
+        "not needed by NGC's images (the Dockerfile's base); needed by every nvidia-pytriton wheel "
+        "tested (0.7.0)",
+    ),
+)
+"""Every Triton-release workaround of the project (``tests/test_triton_seam.py``)."""
