@@ -154,7 +154,10 @@ def test_a_stream_gets_at_most_one_response_per_flush_interval(service, omni_wor
         _run(service, _request(service, request, stream=True, max_tokens=tokens, ignore_eos=True,
                                sampling={"stream_flush_ms": flush}, return_num_output_tokens=True), sink, request_id)
     assert every.output_ids() == held.output_ids() and every.output_ids()[:len(reference)] == reference
-    assert len(every.responses) == tokens  # one per token when not held
+    # Not held: a response per engine output, one token each unless vLLM's output collector merged
+    # outputs the loop had not taken yet (it does on a busy machine).
+    counts = [int(r["num_output_tokens"][0]) for r in every.responses]
+    assert sum(counts) == tokens and min(counts) >= 1 and len(every.responses) >= tokens // 2, counts
     text = [b"".join(r["text_output"][0] for r in sink.responses) for sink in (every, held)]
     assert text[0] == text[1]
     assert sum(int(r["num_output_tokens"][0]) for r in held.responses) == tokens

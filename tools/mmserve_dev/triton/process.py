@@ -478,10 +478,9 @@ class TritonServer:
             def phase(what: str) -> None:
                 timeline.append((round(time.monotonic() - began, 2), what))
 
-            if self.keeper is not None:  # first: it would load back what the stop unloads
-                self.keeper.stop()
-                self.keeper = None
-                phase("keeper stopped")
+            keeper, self.keeper = self.keeper, None
+            if keeper is not None:  # told first (it would load back what the stop unloads), joined below
+                keeper.stop(timeout=0)
             proc, pgid = self.process, self._pgid
             code = None
             if timeout is None:
@@ -489,10 +488,14 @@ class TritonServer:
             # Shared memory of the server's processes (vLLM's engine and workers among them): what a
             # process that is killed, or crashes, can't remove itself is removed below.
             mapped = shm_files_mapped(_group_members(pgid)) if pgid is not None else set()
+            phase("shared memory listed")
             if proc is not None:
                 if proc.poll() is None:
-                    if self.drain:
+                    if self.drain:  # before the keeper's join: requests in flight end now, not after it
                         phase("drained" if self.drain_now() else "drain not answered")
+                    if keeper is not None:
+                        keeper.stop()
+                        phase("keeper stopped")
                     signalled = time.monotonic()
                     with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(signal.SIGINT)
