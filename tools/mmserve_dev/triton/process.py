@@ -485,17 +485,19 @@ class TritonServer:
             code = None
             if timeout is None:
                 timeout = self.exit_timeout_s + 3.0
+            # First the drain: requests in flight end now, and the work below (reading /proc of busy
+            # engine processes among it) runs on an idle server.
+            if proc is not None and proc.poll() is None and self.drain:
+                phase("drained" if self.drain_now() else "drain not answered")
+            if keeper is not None:
+                keeper.stop()
+                phase("keeper stopped")
             # Shared memory of the server's processes (vLLM's engine and workers among them): what a
             # process that is killed, or crashes, can't remove itself is removed below.
             mapped = shm_files_mapped(_group_members(pgid)) if pgid is not None else set()
             phase("shared memory listed")
             if proc is not None:
                 if proc.poll() is None:
-                    if self.drain:  # before the keeper's join: requests in flight end now, not after it
-                        phase("drained" if self.drain_now() else "drain not answered")
-                    if keeper is not None:
-                        keeper.stop()
-                        phase("keeper stopped")
                     signalled = time.monotonic()
                     with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(signal.SIGINT)
