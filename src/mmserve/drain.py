@@ -42,7 +42,8 @@ def drain(url: str, grace_s: float = GRACE_S, *, llm: str = LLM, answer_margin_s
             errors.append(error)
         answered.set()
 
-    tensors: dict[str, np.ndarray] = {"input_ids": np.zeros(0, dtype=np.int64), "drain": np.array([grace_s], dtype=np.float32)}
+    tensors: dict[str, np.ndarray] = {"input_ids": np.zeros(0, dtype=np.int64),
+                                      "drain": np.array([grace_s], dtype=np.float32)}
     client = grpcclient.InferenceServerClient(url)
     try:
         client.start_stream(callback=on_answer)

@@ -17,8 +17,8 @@ anything else              500     ``server_error``          ``internal_error`` 
 =========================  ======  ========================  ======================================
 
 Triton's answers are classified with ``mmserve.wire.code_of`` (the ``[CODE]`` tag the models put in
-front of every message, ``mmserve.triton_seam``: ERROR_CODE_TAG; Triton's own "model not available" answers), gRPC failures by their status
-(``UNAVAILABLE``: nothing listens, the connection broke).
+front of every message, ``mmserve.triton_seam``: ERROR_CODE_TAG; Triton's own "model not available"
+answers), gRPC failures by their status (``UNAVAILABLE``: nothing listens, the connection broke).
 """
 
 from __future__ import annotations

@@ -144,7 +144,8 @@ def exit_with_server(cleanup: Callable[[], None], interval_s: float = 1.0) -> th
     (``mm_llm``: SIGKILL the engine's processes, remove their shared memory) and exit at once.
 
     A stub notices its server's death late or never (``mmserve.triton_seam``: STUB_EXITS_WITH_SERVER),
-    and the engine it started would run on with it, holding the model's memory. Returns the watching thread (a daemon).
+    and the engine it started would run on with it, holding the model's memory. Returns the watching
+    thread (a daemon).
     """
     import faulthandler
     import os
@@ -177,7 +178,8 @@ def exit_with_server(cleanup: Callable[[], None], interval_s: float = 1.0) -> th
 def finish_stub(exit_after_s: float = 5.0) -> None:
     """Call last in a model's ``finalize``: stop forwarding logs (no call into the server after its
     model is finalized), free garbage cycles while the stub still can (a response sender freed at
-    interpreter exit crashed the stub on 2.51: ``mmserve.triton_seam`` FREE_SENDERS_BEFORE_EXIT), and ``exit_soon_after_finalize``."""
+    interpreter exit crashed the stub on 2.51: ``mmserve.triton_seam`` FREE_SENDERS_BEFORE_EXIT),
+    and ``exit_soon_after_finalize``."""
     global _listener
     import logging.handlers
 

@@ -2,8 +2,8 @@
 config ``parameters``, input tensors, and ``TritonSink``, the guard of a decoupled request's responses. ``pb_utils`` (``triton_python_backend_utils``) exists only in
 the Python-backend stub, so it is passed in.
 
-Error codes and what clients see on Triton 2.51 (``mmserve.triton_seam``: ERROR_CODE_TAG): the models send the taxonomy's code
-(``mmserve.errors``), but that release drops it on the two paths decoupled models answer on: gRPC
+Error codes and what clients see on Triton 2.51 (``mmserve.triton_seam``: ERROR_CODE_TAG): the
+models send the taxonomy's code (``mmserve.errors``), but that release drops it on the two paths decoupled models answer on: gRPC
 stream responses carry only a message, and the HTTP generate endpoints answer 400 for any model
 error (later releases map codes to statuses). So every message also starts with its code in
 brackets, ``[UNAVAILABLE] the engine failed ...``: the one part of the status that reaches every

@@ -487,7 +487,7 @@ class TritonServer:
                 timeout = self.exit_timeout_s + 3.0
             # First the drain: requests in flight end now, and the work below (reading /proc of busy
             # engine processes among it) runs on an idle server.
-            if proc is not None and proc.poll() is None and self.drain:
+            if self.drain and self.is_running():
                 phase("drained" if self.drain_now() else "drain not answered")
             if keeper is not None:
                 keeper.stop()

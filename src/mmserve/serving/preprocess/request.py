@@ -23,8 +23,8 @@ class PreprocessRequest:
     messages: str | bytes | None = None
 
     def kwargs(self) -> dict[str, Any]:
-        return {"text": self.text, "images": self.images, "audios": self.audios, "pcm": self.pcm,
-                "apply_chat_template": self.apply_chat_template, "messages": self.messages}
+        """The fields by name: the call's keyword arguments (no copy of the arrays)."""
+        return dict(vars(self))
 
 
 def parse_preprocess_request(get: Callable[[str], np.ndarray | None]) -> PreprocessRequest:
