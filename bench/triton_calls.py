@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ("observe", "set", "increment", "send_text", "send_text_ids", "is_cancelled")
+KINDS = ("observe", "set", "increment", "send_text", "send_text_ids", "send_text_ids_reason", "send_five",
+         "is_cancelled")
 
 CONFIG = """\
 backend: "python"
@@ -32,11 +33,16 @@ model_transaction_policy { decoupled: true }
 input [ { name: "KIND", data_type: TYPE_STRING, dims: [ 1 ] }, { name: "N", data_type: TYPE_INT64, dims: [ 1 ] } ]
 output [ { name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] },
          { name: "output_ids", data_type: TYPE_INT64, dims: [ -1 ] },
+         { name: "finish_reason", data_type: TYPE_STRING, dims: [ -1 ] },
+         { name: "num_input_tokens", data_type: TYPE_UINT32, dims: [ 1 ] },
+         { name: "num_output_tokens", data_type: TYPE_UINT32, dims: [ -1 ] },
          { name: "TIMES", data_type: TYPE_FP64, dims: [ 2 ] } ]
 instance_group [ { kind: KIND_CPU, count: 1 } ]
 """
 
 MODEL = '''\
+import time
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -58,6 +64,8 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             text = np.array(["tok".encode()], dtype=np.object_)
             ids = np.array([1234], dtype=np.int64)
+            reason = np.array([b""], dtype=np.object_)
+            count = np.array([1], dtype=np.uint32)
             calls = {
                 "observe": lambda: self.histogram.observe(0.005),
                 "set": lambda: self.gauge.set(3),
@@ -66,6 +74,14 @@ class TritonPythonModel:
                     output_tensors=[pb_utils.Tensor("text_output", text)])),
                 "send_text_ids": lambda: sender.send(pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor("text_output", text), pb_utils.Tensor("output_ids", ids)])),
+                "send_text_ids_reason": lambda: sender.send(pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor("text_output", text), pb_utils.Tensor("output_ids", ids),
+                                    pb_utils.Tensor("finish_reason", reason)])),
+                "send_five": lambda: sender.send(pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor("text_output", text), pb_utils.Tensor("output_ids", ids),
+                                    pb_utils.Tensor("finish_reason", reason),
+                                    pb_utils.Tensor("num_input_tokens", count),
+                                    pb_utils.Tensor("num_output_tokens", count)])),
                 "is_cancelled": sender.is_cancelled,
             }
             call = calls[kind]

@@ -63,6 +63,23 @@ def test_stream_deltas_concatenate_to_the_full_text(server, references):
     assert streamed.output_ids == case.ids
 
 
+def test_streamed_responses_carry_every_output_asked_for(server, references):
+    """Triton's vLLM backend's contract for its optional outputs, which mmserve's client and
+    gateway ask for only in part: each one asked for is in every streamed response."""
+    case = references["image_audio#1"]
+    flags = ("stream", "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+    tensors = {"text_input": np.array([case.text.encode()], dtype=object),
+               "image": np.array(case.images, dtype=object), "audio": np.array(case.audios, dtype=object),
+               "sampling_parameters": np.array([json.dumps(_sampling()).encode()], dtype=object),
+               **{name: np.array([True]) for name in flags}}
+    responses = [r for r in send_tensors(server, "mm_ensemble", tensors) if r.output_ids]
+    assert len(responses) > 1
+    assert sum((r.output_ids for r in responses), []) == case.ids
+    assert all(r.num_input_tokens == case.prompt_tokens for r in responses), [r.num_input_tokens for r in responses]
+    assert all(r.num_output_tokens == len(r.output_ids) for r in responses)
+    assert [r.finish_reason for r in responses] == [None] * (len(responses) - 1) + ["length"]
+
+
 def test_http_generate_agrees_with_grpc(server, references):
     if server.http is None:
         pytest.skip("MMSERVE_TRITON_HTTP_URL not given")

@@ -140,6 +140,7 @@ class Case:
     audios: list[bytes]
     ids: list[int] | None = None  # offline vLLM's greedy output
     output: str | None = None
+    prompt_tokens: int | None = None  # offline vLLM's prompt length (placeholders expanded)
     messages: list[dict[str, Any]] | None = None  # a conversation (preprocess's messages input) instead of text
 
 
@@ -205,8 +206,10 @@ def compute_references(model: str, engine_args: dict[str, Any]) -> dict[str, Cas
                                                                          tokenize=False)}
             if mm:
                 prompt["multi_modal_data"] = mm
-            completion = engine.generate_sync(prompt, params).outputs[0]
+            output = engine.generate_sync(prompt, params)
+            completion = output.outputs[0]
             case.ids, case.output = list(completion.token_ids), completion.text
+            case.prompt_tokens = len(output.prompt_token_ids or [])
     return BY_NAME
 
 

@@ -61,7 +61,10 @@ Messages = Sequence[Mapping[str, Any]] | str
 
 @dataclass
 class Result:
-    """A finished generation (streamed deltas joined)."""
+    """A finished generation (streamed deltas joined), or one response of it.
+
+    ``num_output_tokens``: the server's count where a response carries one, else ``len(output_ids)``.
+    """
 
     text: str
     output_ids: list[int] = field(default_factory=list)
@@ -202,8 +205,7 @@ class MMClient:
             "exclude_input_in_output": exclude_input_in_output,
             "return_finish_reason": True,
             "return_num_input_tokens": True,
-            "return_num_output_tokens": True,
-        }
+        }  # not num_output_tokens: a tensor in every response for len(output_ids) (``Result``)
         return self.sampling_parameters(**sampling), flags, apply_chat_template
 
     def _responses(self, text: str, images: Sequence[Media], audios: Sequence[Media], *, stream: bool,
@@ -455,12 +457,14 @@ def _result_from(get: Any) -> Result:
         return None if value is None else _scalar(value)
 
     ids = get("output_ids")
+    output_ids = [] if ids is None else [int(i) for i in np.asarray(ids).reshape(-1)]
+    output_tokens = optional("num_output_tokens")
     return Result(
         text=optional("text_output") or "",
-        output_ids=[] if ids is None else [int(i) for i in np.asarray(ids).reshape(-1)],
+        output_ids=output_ids,
         finish_reason=optional("finish_reason") or None,
         num_input_tokens=optional("num_input_tokens"),
-        num_output_tokens=optional("num_output_tokens"),
+        num_output_tokens=len(output_ids) if output_tokens is None else output_tokens,
     )
 
 
@@ -470,10 +474,12 @@ def _result_from_json(event: Mapping[str, Any]) -> Result:
         return value[0] if isinstance(value, list) and value and name != "output_ids" else value
 
     ids = event.get("output_ids") or []
+    output_ids = [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+    output_tokens = first("num_output_tokens")
     return Result(
         text=first("text_output") or "",
-        output_ids=[int(i) for i in (ids if isinstance(ids, list) else [ids])],
+        output_ids=output_ids,
         finish_reason=first("finish_reason") or None,
         num_input_tokens=first("num_input_tokens"),
-        num_output_tokens=first("num_output_tokens"),
+        num_output_tokens=len(output_ids) if output_tokens is None else output_tokens,
     )

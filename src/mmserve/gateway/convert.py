@@ -158,9 +158,12 @@ def request_tensors(request: ChatCompletionRequest, conv: Conversation) -> dict[
         "sampling_parameters": np.array([json.dumps(sampling_parameters(request)).encode()], dtype=np.object_),
         "exclude_input_in_output": flag(True),
         "return_finish_reason": flag(True),
-        "return_num_input_tokens": flag(True),
-        "return_num_output_tokens": flag(True),
     }
+    # Each output asked for is a tensor in every streamed response (~40 µs of server CPU each,
+    # docs/PERFORMANCE.md): the prompt's length only where usage is reported; the completion's is
+    # counted from output_ids (``Delta.num_output_tokens``).
+    if not request.stream or (request.stream_options is not None and request.stream_options.include_usage):
+        tensors["return_num_input_tokens"] = flag(True)
     if request.logprobs:
         tensors["return_logprobs"] = flag(True)
     if conv.images:

@@ -44,6 +44,7 @@ class Delta:
     finish_reason: str | None
     num_input_tokens: int | None
     num_output_tokens: int
+    """The response's new tokens: its ``num_output_tokens`` tensor, else ``len(token_ids)``."""
     logprobs: list[dict[str, Any]] | None
 
 
@@ -69,7 +70,7 @@ def delta_from_response(response: Any) -> Delta:
     text = finish = logprobs = None
     ids: list[int] = []
     input_tokens: int | None = None
-    output_tokens = 0
+    output_tokens: int | None = None
     for output, data in zip(response.outputs, response.raw_output_contents, strict=True):
         name = output.name
         if output.datatype == "BYTES":
@@ -91,7 +92,8 @@ def delta_from_response(response: Any) -> Delta:
             elif name == "num_output_tokens":
                 output_tokens = int(values[0])
     return Delta(text=text or "", token_ids=ids, finish_reason=finish or None, num_input_tokens=input_tokens,
-                 num_output_tokens=output_tokens, logprobs=None if logprobs is None else json.loads(logprobs))
+                 num_output_tokens=len(ids) if output_tokens is None else output_tokens,
+                 logprobs=None if logprobs is None else json.loads(logprobs))
 
 
 def _first(result: Any, name: str) -> Any:
@@ -104,14 +106,15 @@ def _first(result: Any, name: str) -> Any:
 
 def _delta_via_as_numpy(result: Any) -> Delta:
     ids = result.as_numpy("output_ids")
+    token_ids = [] if ids is None else [int(i) for i in np.asarray(ids).reshape(-1)]
     logprobs = _first(result, "logprobs")
     output_tokens = _first(result, "num_output_tokens")
     return Delta(
         text=_first(result, "text_output") or "",
-        token_ids=[] if ids is None else [int(i) for i in np.asarray(ids).reshape(-1)],
+        token_ids=token_ids,
         finish_reason=_first(result, "finish_reason") or None,
         num_input_tokens=_first(result, "num_input_tokens"),
-        num_output_tokens=int(output_tokens or 0),
+        num_output_tokens=len(token_ids) if output_tokens is None else int(output_tokens),
         logprobs=None if logprobs is None else json.loads(logprobs),
     )
 
