@@ -295,6 +295,27 @@ def test_perf_analyzer_runs(server: TritonServer, tmp_path: Path) -> None:
     assert float(match.group(1)) > 0, output
 
 
+def test_the_keeper_loads_back_a_model_that_was_unloaded(server: TritonServer) -> None:
+    """``mmserve.serving.keeper`` on a real server: the watched model unloaded (as ``mm_llm`` unloads
+    itself after a fault), the keeper sees it UNAVAILABLE in the repository index and loads it back."""
+    import tritonclient.http as httpclient
+
+    from mmserve.serving.keeper import ModelKeeper
+
+    keeper = ModelKeeper(server.http_url, ["repeat"], interval_s=0.1, grace_s=0.2).start()
+    try:
+        with httpclient.InferenceServerClient(server.http_url) as http:
+            http.unload_model("repeat")
+            deadline = time.monotonic() + 60
+            while not keeper.loads and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert [model for model, _ in keeper.loads] == ["repeat"]
+            assert http.is_model_ready("repeat")
+    finally:
+        keeper.stop()
+    assert not keeper._thread.is_alive()
+
+
 def test_stop_leaves_nothing(tmp_path: Path) -> None:
     """A server of its own (the shared one stays up for the other tests): stop() kills the whole
     process group and removes the server's /dev/shm regions."""

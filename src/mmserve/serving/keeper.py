@@ -20,14 +20,12 @@ ready, in order (``mm_llm``, then ``mm_ensemble``, which Triton unloaded with it
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +41,7 @@ class ModelKeeper:
 
     def __init__(self, http_url: str, models: Sequence[str], *, interval_s: float = 0.5, grace_s: float = 1.0,
                  load_timeout_s: float = 900.0) -> None:
-        self.base = f"http://{http_url}"
+        self.url = http_url
         self.models = list(models)
         self.interval_s, self.grace_s, self.load_timeout_s = interval_s, grace_s, load_timeout_s
         self.loads: list[tuple[str, float]] = []
@@ -56,23 +54,27 @@ class ModelKeeper:
             self._thread.start()
         return self
 
-    def _ready(self, model: str) -> bool:
+    def _client(self, timeout_s: float) -> Any:
+        """A ``tritonclient.http`` client, made in the thread that uses it (gevent's rule)."""
+        import tritonclient.http as httpclient
+
+        return httpclient.InferenceServerClient(self.url, connection_timeout=5.0, network_timeout=timeout_s)
+
+    @staticmethod
+    def _ready(client: Any, model: str) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.base}/v2/models/{model}/ready", timeout=5) as reply:
-                return reply.status == 200
-        except (urllib.error.URLError, OSError):
+            return bool(client.is_model_ready(model))
+        except Exception:  # noqa: BLE001 - Triton can't be asked (starting, stopping): not ready
             return False
 
-    def _unloaded(self, model: str) -> bool:
+    @staticmethod
+    def _unloaded(client: Any, model: str) -> bool:
         """Whether Triton's repository index says ``model`` is UNAVAILABLE: unloaded (by itself,
         after a fault) or failed to load. Not while it loads, unloads or serves, nor when Triton
         can't be asked (it is starting or stopping)."""
-        request = urllib.request.Request(f"{self.base}/v2/repository/index", data=b"{}", method="POST",
-                                         headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=5) as reply:
-                index = json.load(reply)
-        except (urllib.error.URLError, OSError, ValueError):
+            index = client.get_model_repository_index()
+        except Exception:  # noqa: BLE001 - as in _ready
             return False
         states = {entry.get("state") for entry in index if entry.get("name") == model}
         return states == {"UNAVAILABLE"}
@@ -81,30 +83,37 @@ class ModelKeeper:
         """Watch until ``stop`` (in the calling thread). The repository index, not readiness, tells
         a model that unloaded from one still loading: a fault just after the start is healed too."""
         watched = self.models[0]
-        while not self._stopping.wait(self.interval_s):
-            if not self._unloaded(watched):
-                continue
-            if self._stopping.wait(self.grace_s) or not self._unloaded(watched):
-                continue
-            self._load_back()
+        client = self._client(timeout_s=5.0)
+        try:
+            while not self._stopping.wait(self.interval_s):
+                if not self._unloaded(client, watched):
+                    continue
+                if self._stopping.wait(self.grace_s) or not self._unloaded(client, watched):
+                    continue
+                self._load_back(client)
+        finally:
+            client.close()
 
-    def _load_back(self) -> None:
-        for model in self.models:
-            if self._stopping.is_set() or self._ready(model):
-                continue
-            logger.warning("%s is not loaded (it unloaded itself after a fault): loading it", model)
-            started = time.monotonic()
-            request = urllib.request.Request(f"{self.base}/v2/repository/models/{model}/load", data=b"{}",
-                                             method="POST", headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=self.load_timeout_s):
-                    pass
-            except (urllib.error.URLError, OSError) as exc:
-                logger.error("loading %s failed (%s); trying again in 10 s", model, exc)
-                self._stopping.wait(10)
-                return
-            self.loads.append((model, time.monotonic() - started))
-            logger.warning("loaded %s back in %.1f s", model, self.loads[-1][1])
+    def _load_back(self, client: Any) -> None:
+        from tritonclient.utils import InferenceServerException
+
+        loader = self._client(timeout_s=self.load_timeout_s)
+        try:
+            for model in self.models:
+                if self._stopping.is_set() or self._ready(client, model):
+                    continue
+                logger.warning("%s is not loaded (it unloaded itself after a fault): loading it", model)
+                started = time.monotonic()
+                try:
+                    loader.load_model(model)
+                except (InferenceServerException, OSError) as exc:
+                    logger.error("loading %s failed (%s); trying again in 10 s", model, exc)
+                    self._stopping.wait(10)
+                    return
+                self.loads.append((model, time.monotonic() - started))
+                logger.warning("loaded %s back in %.1f s", model, self.loads[-1][1])
+        finally:
+            loader.close()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping.set()
