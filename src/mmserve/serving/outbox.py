@@ -5,6 +5,10 @@ Every call into Triton from a Python model (``response_sender.send``, ``is_cance
 also runs vLLM's output handler, each one delays every other request's next token. An ``Outbox``
 takes them off the loop: the loop appends a call (microseconds) and one thread runs the calls, in
 order, draining everything queued at each wake-up.
+
+Not ``ThreadPoolExecutor(max_workers=1)``: its shutdown has no timeout, and the interpreter joins its
+worker at exit, so a call stuck in a dead tritonserver would hold the stub's exit; here ``close``
+waits a bounded time and the thread is a daemon.
 """
 
 from __future__ import annotations
