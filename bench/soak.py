@@ -71,18 +71,26 @@ def main() -> int:
         return report_exit
     from mmserve_dev.triton import TritonServer
 
-    env = {"MMSERVE_MODEL": str(ROOT / "models" / "qwen2_5_omni"),
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    with TritonServer(ROOT / "model_repository", env=env, shm_default_byte_size=32 * 1024 * 1024,
-                      keep_loaded=("mm_llm", "mm_ensemble")) as server:
+    env = {
+        "MMSERVE_MODEL": str(ROOT / "models" / "qwen2_5_omni"),
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    }
+    with TritonServer(
+        ROOT / "model_repository",
+        env=env,
+        shm_default_byte_size=32 * 1024 * 1024,
+        keep_loaded=("mm_llm", "mm_ensemble"),
+    ) as server:
         print(f"server up: {server.grpc_url} (log {server.log_path})", flush=True)
         run(args, server.grpc_url, server.pid)
         started = time.monotonic()
     code = server.stop()
     shm_after = shm_bytes()
     print(f"stop: {time.monotonic() - started:.1f} s, exit code {code}")
-    print(f"/dev/shm before start: {shm_before[0]} files, {shm_before[1] / 2**20:.1f} MiB; "
-          f"after stop: {shm_after[0]} files, {shm_after[1] / 2**20:.1f} MiB")
+    print(
+        f"/dev/shm before start: {shm_before[0]} files, {shm_before[1] / 2**20:.1f} MiB; "
+        f"after stop: {shm_after[0]} files, {shm_after[1] / 2**20:.1f} MiB"
+    )
     return report_exit
 
 
@@ -100,12 +108,17 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> None:
 
     client = MMClient(url, entry=args.entry)
     sampling = {"max_tokens": args.max_tokens, "temperature": 0.0}
-    pool = [live.make_case(name, parts, seed) for seed in range(args.pool) for name, parts in live.CASES.items()][: args.pool]
+    pool = [live.make_case(name, parts, seed) for seed in range(args.pool) for name, parts in live.CASES.items()][
+        : args.pool
+    ]
     t0 = time.monotonic()
     references = [client.generate(c.text, c.images, c.audios, **sampling).output_ids for c in pool]
     print(f"{len(pool)} references in {time.monotonic() - t0:.1f} s", flush=True)
-    bad_cases = [case for case in RAW_CASES if "grpc" in case.protocols and case.code == "INVALID_ARG"
-                 and "10000x10000" not in case.id]
+    bad_cases = [
+        case
+        for case in RAW_CASES
+        if "grpc" in case.protocols and case.code == "INVALID_ARG" and "10000x10000" not in case.id
+    ]
     rss_warm = tree_rss(pid)
     shm_warm = shm_bytes()
 
@@ -132,7 +145,9 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> None:
             k = local.randrange(len(pool))
             case = pool[k]
             try:
-                ids = MMClient(url, entry=args.entry).generate(case.text, case.images, case.audios, **sampling).output_ids
+                ids = (
+                    MMClient(url, entry=args.entry).generate(case.text, case.images, case.audios, **sampling).output_ids
+                )
                 outcome = "good: ok" if ids == references[k] else "good: MISMATCH"
                 if ids != references[k]:
                     with lock:
@@ -146,9 +161,11 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> None:
             first = threading.Event()
             grpc.start_stream(callback=lambda result, error: first.set())
             case = pool[local.randrange(len(pool))]
-            tensors = {"text_input": np.array([case.text.encode()], dtype=object),
-                       "stream": np.array([True]),
-                       "sampling_parameters": np.array([b'{"max_tokens": 400, "ignore_eos": true}'], dtype=object)}
+            tensors = {
+                "text_input": np.array([case.text.encode()], dtype=object),
+                "stream": np.array([True]),
+                "sampling_parameters": np.array([b'{"max_tokens": 400, "ignore_eos": true}'], dtype=object),
+            }
             grpc.async_stream_infer(args.entry, live.grpc_inputs(tensors))
             first.wait(120)
             grpc.stop_stream(cancel_requests=True)
@@ -183,20 +200,28 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> None:
     shm_end = shm_bytes()
 
     latencies.sort()
-    print(f"\n{args.requests} requests at concurrency {args.concurrency} in {elapsed:.0f} s "
-          f"({args.requests / elapsed:.1f} req/s) through {args.entry}")
+    print(
+        f"\n{args.requests} requests at concurrency {args.concurrency} in {elapsed:.0f} s "
+        f"({args.requests / elapsed:.1f} req/s) through {args.entry}"
+    )
     for outcome, count in sorted(outcomes.items()):
         print(f"  {outcome:<22} {count}")
     if latencies:
-        print(f"good latency p50 {latencies[len(latencies) // 2]:.2f} s, p99 {latencies[int(len(latencies) * 0.99)]:.2f} s")
+        print(
+            f"good latency p50 {latencies[len(latencies) // 2]:.2f} s, p99 {latencies[int(len(latencies) * 0.99)]:.2f} s"
+        )
     print(f"mismatches: {len(mismatches)}")
     for line in mismatches[:10]:
         print("  " + line)
-    print(f"server RSS (process tree): {rss_warm:.0f} MiB warm -> {rss_end:.0f} MiB after the soak "
-          f"({rss_end - rss_warm:+.0f} MiB); by requests done: "
-          + ", ".join(f"{n}: {rss:.0f}" for n, rss in sorted(rss_series)))
-    print(f"/dev/shm while serving: {shm_warm[0]} files {shm_warm[1] / 2**20:.0f} MiB warm -> "
-          f"{shm_end[0]} files {shm_end[1] / 2**20:.0f} MiB after")
+    print(
+        f"server RSS (process tree): {rss_warm:.0f} MiB warm -> {rss_end:.0f} MiB after the soak "
+        f"({rss_end - rss_warm:+.0f} MiB); by requests done: "
+        + ", ".join(f"{n}: {rss:.0f}" for n, rss in sorted(rss_series))
+    )
+    print(
+        f"/dev/shm while serving: {shm_warm[0]} files {shm_warm[1] / 2**20:.0f} MiB warm -> "
+        f"{shm_end[0]} files {shm_end[1] / 2**20:.0f} MiB after"
+    )
     unexpected = [o for o in outcomes if o not in ("good: ok", "cancel: sent", "bad: INVALID_ARG")]
     if mismatches or unexpected:
         print(f"FAIL: {len(mismatches)} mismatch(es), unexpected outcomes {unexpected}")

@@ -76,13 +76,31 @@ class Served:
         from mmserve_dev.triton import free_ports
 
         self.http, self.grpc, self.metrics, self.openai = free_ports(4)
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               "MMSERVE_MODEL": model}
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "MMSERVE_MODEL": model,
+        }
         self.log = tempfile.NamedTemporaryFile("w+", prefix="mmserve-stops-", suffix=".log", delete=False)
         self.process = subprocess.Popen(
-            ["bash", "scripts/serve.sh", "--http-port", str(self.http), "--grpc-port", str(self.grpc),
-             "--metrics-port", str(self.metrics), "--openai-port", str(self.openai)],
-            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                "bash",
+                "scripts/serve.sh",
+                "--http-port",
+                str(self.http),
+                "--grpc-port",
+                str(self.grpc),
+                "--metrics-port",
+                str(self.metrics),
+                "--openai-port",
+                str(self.openai),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + START_TIMEOUT_S
         while "Ctrl-C to stop" not in Path(self.log.name).read_text(errors="replace"):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -105,16 +123,22 @@ class Served:
 # -- states -------------------------------------------------------------------------------------------
 def _text_request(text: str, stream: bool, max_tokens: int) -> dict[str, np.ndarray]:
     params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-    return {"text_input": np.array([text.encode()], dtype=object), "stream": np.array([stream]),
-            "sampling_parameters": np.array([json.dumps(params).encode()], dtype=object)}
+    return {
+        "text_input": np.array([text.encode()], dtype=object),
+        "stream": np.array([stream]),
+        "sampling_parameters": np.array([json.dumps(params).encode()], dtype=object),
+    }
 
 
 def _running(served: Served) -> float:
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{served.metrics}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_requests_running") and 'model="mm_llm"' in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:num_requests_running") and 'model="mm_llm"' in line
+    )
 
 
 def start_in_flight(served: Served) -> Callable[[], list[str]]:
@@ -140,11 +164,14 @@ def start_in_flight(served: Served) -> Callable[[], list[str]]:
     def http_generate() -> None:
         body = {"text_input": "Count.", "sampling_parameters": json.dumps({"max_tokens": 4000, "ignore_eos": True})}
         try:
-            reply = requests.post(f"http://127.0.0.1:{served.http}/v2/models/mm_ensemble/generate", json=body,
-                                  timeout=120)
+            reply = requests.post(
+                f"http://127.0.0.1:{served.http}/v2/models/mm_ensemble/generate", json=body, timeout=120
+            )
             answer = reply.json()
-            outcomes.append(f"http: {reply.status_code} " + (f"({len(answer['output_ids'])} tokens)" if reply.ok
-                                                              else str(answer.get("error", ""))[:80]))
+            outcomes.append(
+                f"http: {reply.status_code} "
+                + (f"({len(answer['output_ids'])} tokens)" if reply.ok else str(answer.get("error", ""))[:80])
+            )
         except requests.RequestException as exc:
             outcomes.append(f"http: {type(exc).__name__}")
 
@@ -153,8 +180,13 @@ def start_in_flight(served: Served) -> Callable[[], list[str]]:
     def openai_stream() -> None:
         chunks = 0
         try:
-            for _ in sdk.chat.completions.create(model="mm_ensemble", messages=[{"role": "user", "content": "Count."}],
-                                                 stream=True, max_tokens=4000, extra_body={"ignore_eos": True}):
+            for _ in sdk.chat.completions.create(
+                model="mm_ensemble",
+                messages=[{"role": "user", "content": "Count."}],
+                stream=True,
+                max_tokens=4000,
+                extra_body={"ignore_eos": True},
+            ):
                 chunks += 1
             outcomes.append(f"openai: completed ({chunks} chunks)")
         except Exception as exc:  # noqa: BLE001 - how it ended is the result
@@ -175,7 +207,8 @@ def start_in_flight(served: Served) -> Callable[[], list[str]]:
         for thread in threads:
             thread.join(30)
         return sorted(outcomes) + [f"unanswered: {sum(t.is_alive() for t in threads)}"] * any(
-            t.is_alive() for t in threads)
+            t.is_alive() for t in threads
+        )
 
     return ended
 
@@ -184,10 +217,12 @@ def bad_and_cancelled(served: Served) -> None:
     from mmserve.client import ClientError, MMClient
 
     client = MMClient(served.grpc_url, timeout=60)
-    bad = [{"image": np.array([b"not an image"], dtype=object)},
-           {"sampling_parameters": np.array([b'{"max_tokens": 16.5}'], dtype=object)},
-           {"audio": np.array([b"RIFF...."], dtype=object)},
-           {"sampling_parameters": np.array([b"not json"], dtype=object)}]
+    bad = [
+        {"image": np.array([b"not an image"], dtype=object)},
+        {"sampling_parameters": np.array([b'{"max_tokens": 16.5}'], dtype=object)},
+        {"audio": np.array([b"RIFF...."], dtype=object)},
+        {"sampling_parameters": np.array([b"not json"], dtype=object)},
+    ]
     for k in range(5):
         for change in bad:
             tensors = {**_text_request(f"Hi {k}", False, 4), **change}
@@ -238,12 +273,20 @@ class Busy:
 
         hog = die_with_this_process([sys.executable, "-c", "while True: pass"])
         self.processes = [subprocess.Popen(hog, start_new_session=True) for _ in range(os.cpu_count() or 1)]
-        engine = (f"from vllm import LLM\nif __name__ == '__main__':\n    LLM(model={model!r}, max_model_len=512, "
-                  "enforce_eager=True, dtype='float32')\n")
+        engine = (
+            f"from vllm import LLM\nif __name__ == '__main__':\n    LLM(model={model!r}, max_model_len=512, "
+            "enforce_eager=True, dtype='float32')\n"
+        )
         env = {**os.environ, "VLLM_PLUGINS": "", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        self.processes.append(subprocess.Popen(die_with_this_process([sys.executable, "-c", engine]), env=env,
-                                               start_new_session=True, stdout=subprocess.DEVNULL,
-                                               stderr=subprocess.DEVNULL))
+        self.processes.append(
+            subprocess.Popen(
+                die_with_this_process([sys.executable, "-c", engine]),
+                env=env,
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
 
     def stop(self) -> None:
         # SIGTERM first: the engine's multiprocessing resource tracker (which ignores it) then
@@ -296,12 +339,25 @@ def stop_in(state: str, round_: int, model: str, busy: bool, limit_s: float) -> 
         left = [f"{p.pid} {p.name()}" for p in alive if p.status() != psutil.STATUS_ZOMBIE]
         time.sleep(0.5)
         shm_left = sorted(name for name in shm if os.path.exists(f"/dev/shm/{name}"))
-        result = Stop(state, round_, round(seconds, 1), code if seconds <= limit_s else None, left, shm_left,
-                      answers() if answers else [])
+        result = Stop(
+            state,
+            round_,
+            round(seconds, 1),
+            code if seconds <= limit_s else None,
+            left,
+            shm_left,
+            answers() if answers else [],
+        )
         if seconds > limit_s:
             result.answers.append(f"over the {limit_s:g}-s limit (exit code {code})")
-        result.phases = next((line.strip() for line in Path(served.log.name).read_text(errors="replace").splitlines()
-                              if line.startswith("stopped in")), "")
+        result.phases = next(
+            (
+                line.strip()
+                for line in Path(served.log.name).read_text(errors="replace").splitlines()
+                if line.startswith("stopped in")
+            ),
+            "",
+        )
         if not result.passed:  # the launcher's log (its phases' times; the server log's path) stays
             keep_log = True
             result.answers.append(f"log: {served.log.name}")
@@ -331,9 +387,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for state in args.states:
             stop = stop_in(state, round_, model, args.busy, args.limit_s)
             stops.append(stop)
-            print(f"round {round_} {state:<18} {stop.seconds:5.1f} s  exit {stop.exit_code}  "
-                  f"left: {len(stop.processes_left)} processes, {len(stop.shm_left)} shm  "
-                  f"{'ok' if stop.passed else 'FAILED'}  {'; '.join(stop.answers)}  [{stop.phases}]", flush=True)
+            print(
+                f"round {round_} {state:<18} {stop.seconds:5.1f} s  exit {stop.exit_code}  "
+                f"left: {len(stop.processes_left)} processes, {len(stop.shm_left)} shm  "
+                f"{'ok' if stop.passed else 'FAILED'}  {'; '.join(stop.answers)}  [{stop.phases}]",
+                flush=True,
+            )
     (out / "stops.json").write_text(json.dumps([asdict(s) for s in stops], indent=1) + "\n")
     print("\n| state | stops | passed | seconds (max) |\n|---|---:|---:|---:|")
     for state in args.states:

@@ -23,8 +23,16 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ("observe", "set", "increment", "send_text", "send_text_ids", "send_text_ids_reason", "send_five",
-         "is_cancelled")
+KINDS = (
+    "observe",
+    "set",
+    "increment",
+    "send_text",
+    "send_text_ids",
+    "send_text_ids_reason",
+    "send_five",
+    "is_cancelled",
+)
 
 CONFIG = """\
 backend: "python"
@@ -40,7 +48,7 @@ output [ { name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] },
 instance_group [ { kind: KIND_CPU, count: 1 } ]
 """
 
-MODEL = '''\
+MODEL = """\
 import time
 
 import numpy as np
@@ -92,7 +100,7 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("TIMES", times)]),
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
-'''
+"""
 
 
 def cpu_seconds(pid: int) -> float:
@@ -153,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
 
-    print(textwrap.dedent(f"""\
+    print(
+        textwrap.dedent(f"""\
         {args.calls} calls per measurement, median of {args.rounds} round(s); µs per call
         | call | stub wall | stub CPU | tritonserver CPU | CPU, both |
-        |---|---:|---:|---:|---:|"""))
+        |---|---:|---:|---:|---:|""")
+    )
     summary = {}
     for kind, rows in results.items():
         wall, stub, triton = (float(np.median([row[i] for row in rows])) * 1e6 for i in range(3))

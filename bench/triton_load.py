@@ -91,8 +91,9 @@ def make_entries(args) -> list[Entry]:
     for i in range(args.entries):
         seed = 500 + i
         image = encode_image(sample_image(seed, size=tuple(args.image_size)))
-        audio = encode_audio(sample_audio(seed, seconds=args.audio_seconds[0]
-                                          + i % (args.audio_seconds[1] - args.audio_seconds[0] + 1)))
+        audio = encode_audio(
+            sample_audio(seed, seconds=args.audio_seconds[0] + i % (args.audio_seconds[1] - args.audio_seconds[0] + 1))
+        )
         entries.append(Entry(QUESTIONS[i % len(QUESTIONS)], image, audio))
     return entries
 
@@ -119,8 +120,14 @@ def write_input_data(entries: list[Entry], preprocessor, args, folder: Path) -> 
     common = {"stream": [True], "sampling_parameters": [sampling_json(args)]}
     ensemble, direct, times = [], [], []
     for entry in entries:
-        ensemble.append({"text_input": [entry.text], "image": _bytes_tensor([entry.image]),
-                         "audio": _bytes_tensor([entry.audio]), **common})
+        ensemble.append(
+            {
+                "text_input": [entry.text],
+                "image": _bytes_tensor([entry.image]),
+                "audio": _bytes_tensor([entry.audio]),
+                **common,
+            }
+        )
         start = time.perf_counter()
         tensors = preprocessor(entry.text, images=[entry.image], audios=[entry.audio])
         times.append(time.perf_counter() - start)
@@ -147,8 +154,9 @@ def check_same_tokens(url: str, model: str, entry: Entry, args) -> tuple[list[in
 
     options = {"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True}
     ensemble = MMClient(url).generate(entry.text, [entry.image], [entry.audio], stream=True, **options)
-    direct = MMClient(url, direct=True, model=model).generate(entry.text, [entry.image], [entry.audio],
-                                                              stream=True, **options)
+    direct = MMClient(url, direct=True, model=model).generate(
+        entry.text, [entry.image], [entry.audio], stream=True, **options
+    )
     return ensemble.output_ids, direct.output_ids
 
 
@@ -166,16 +174,33 @@ def preprocess_compute(url: str) -> tuple[int, int]:
 
 
 # -- perf_analyzer -------------------------------------------------------------------------------
-def run_perf_analyzer(url: str, target: str, data: Path, concurrency: int, round_: int, args,
-                      folder: Path) -> Measurement:
+def run_perf_analyzer(
+    url: str, target: str, data: Path, concurrency: int, round_: int, args, folder: Path
+) -> Measurement:
     report = folder / f"{target}-c{concurrency}-r{round_}.csv"
     command = [
-        str(args.perf_analyzer), "-m", TARGETS[target], "-u", url, "-i", "grpc", "--streaming",
-        "--input-data", str(data), "--concurrency-range", str(concurrency),
-        "--measurement-mode", "count_windows",
-        "--measurement-request-count", str(args.measurement_request_count),
-        "--stability-percentage", str(args.stability_percentage), "--max-trials", str(args.max_trials),
-        "-f", str(report),
+        str(args.perf_analyzer),
+        "-m",
+        TARGETS[target],
+        "-u",
+        url,
+        "-i",
+        "grpc",
+        "--streaming",
+        "--input-data",
+        str(data),
+        "--concurrency-range",
+        str(concurrency),
+        "--measurement-mode",
+        "count_windows",
+        "--measurement-request-count",
+        str(args.measurement_request_count),
+        "--stability-percentage",
+        str(args.stability_percentage),
+        "--max-trials",
+        str(args.max_trials),
+        "-f",
+        str(report),
     ]
     if args.verbose:
         print("  $ " + " ".join(command), flush=True)
@@ -192,12 +217,17 @@ def run_perf_analyzer(url: str, target: str, data: Path, concurrency: int, round
     avg = re.search(r"Avg latency: (\d+) usec", run.stdout)
     count = re.search(r"Request count: (\d+)", run.stdout)
     result = Measurement(
-        target, concurrency, round_, ok=True,
+        target,
+        concurrency,
+        round_,
+        ok=True,
         infer_s=float(row["Inferences/Second"]),
         responses_s=float(row.get("Response Throughput") or 0.0),
         latency_avg_us=float(avg.group(1)) if avg else float("nan"),
-        latency_p50_us=float(row["p50 latency"]), latency_p90_us=float(row["p90 latency"]),
-        latency_p99_us=float(row["p99 latency"]), requests=int(count.group(1)) if count else 0,
+        latency_p50_us=float(row["p50 latency"]),
+        latency_p90_us=float(row["p90 latency"]),
+        latency_p99_us=float(row["p99 latency"]),
+        requests=int(count.group(1)) if count else 0,
     )
     if before is not None:
         after = preprocess_compute(url)
@@ -229,8 +259,7 @@ def print_tables(results: list[Measurement], levels: list[int]) -> None:
         for label, key, scale, fmt in rows:
             ens, direct = average(at["ensemble"], key), average(at["direct"], key)
             ratio = ens / direct if direct and direct == direct else float("nan")
-            print(f"| {label:<26} | {fmt.format(ens * scale):>9} | {fmt.format(direct * scale):>9} | "
-                  f"{ratio:>14.2f}x |")
+            print(f"| {label:<26} | {fmt.format(ens * scale):>9} | {fmt.format(direct * scale):>9} | {ratio:>14.2f}x |")
         pre = average(at["ensemble"], "preprocess_us")
         if pre == pre:
             print(f"preprocess model compute per request (Triton statistics, ensemble runs): {pre / 1e3:.0f} ms")
@@ -240,8 +269,11 @@ def print_tables(results: list[Measurement], levels: list[int]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="gRPC host:port of a running server (then none is started)")
-    parser.add_argument("--model", default=str(ROOT / "models" / "qwen2_5_omni"),
-                        help="checkpoint the server serves (its processor preprocesses the direct requests)")
+    parser.add_argument(
+        "--model",
+        default=str(ROOT / "models" / "qwen2_5_omni"),
+        help="checkpoint the server serves (its processor preprocesses the direct requests)",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--rounds", type=int, default=2, help="passes over the levels (targets alternate)")
     parser.add_argument("--entries", type=int, default=4, help="distinct requests perf_analyzer cycles through")
@@ -252,11 +284,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stability-percentage", type=int, default=50)
     parser.add_argument("--max-trials", type=int, default=8)
     parser.add_argument("--timeout", type=int, default=300, help="seconds per perf_analyzer run")
-    parser.add_argument("--no-prefix-caching", action="store_true",
-                        help="serve a copy of model_repository with mm_llm's prefix cache off (not with --url)")
-    parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra environment for the server this script starts (repeatable), "
-                             "e.g. OMP_NUM_THREADS=1")
+    parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="serve a copy of model_repository with mm_llm's prefix cache off (not with --url)",
+    )
+    parser.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for the server this script starts (repeatable), e.g. OMP_NUM_THREADS=1",
+    )
     parser.add_argument("--perf-analyzer", type=Path, default=ROOT / ".venv" / "bin" / "perf_analyzer")
     parser.add_argument("--keep", action="store_true", help="keep the input-data and CSV files")
     parser.add_argument("--verbose", action="store_true", help="print the perf_analyzer commands")
@@ -270,19 +309,28 @@ def main(argv: list[str] | None = None) -> int:
     from mmserve.serving.preprocess import Preprocessor
 
     folder = Path(tempfile.mkdtemp(prefix="mmserve-triton-load-"))
-    print(f"# triton_load: {platform.node()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}; "
-          f"model {args.model}", flush=True)
-    print(f"# {args.entries} distinct requests (1 image {args.image_size[0]}x{args.image_size[1]} PNG + 1 clip "
-          f"{args.audio_seconds[0]}-{args.audio_seconds[1]} s WAV), {args.max_tokens} output tokens, "
-          f"concurrency {args.concurrency}, {args.rounds} round(s); perf_analyzer count_windows "
-          f"{args.measurement_request_count}, stability {args.stability_percentage}%, "
-          f"max trials {args.max_trials}", flush=True)
+    print(
+        f"# triton_load: {platform.node()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}; "
+        f"model {args.model}",
+        flush=True,
+    )
+    print(
+        f"# {args.entries} distinct requests (1 image {args.image_size[0]}x{args.image_size[1]} PNG + 1 clip "
+        f"{args.audio_seconds[0]}-{args.audio_seconds[1]} s WAV), {args.max_tokens} output tokens, "
+        f"concurrency {args.concurrency}, {args.rounds} round(s); perf_analyzer count_windows "
+        f"{args.measurement_request_count}, stability {args.stability_percentage}%, "
+        f"max trials {args.max_trials}",
+        flush=True,
+    )
     preprocessor = Preprocessor(args.model)
     entries = make_entries(args)
     data, local_times = write_input_data(entries, preprocessor, args, folder)
     sizes = ", ".join(f"{t} {p.stat().st_size / 2**20:.1f} MiB" for t, p in data.items())
-    print(f"# input data: {sizes}; local preprocessing {1e3 * sum(local_times) / len(local_times):.0f} ms "
-          f"per request (this process)", flush=True)
+    print(
+        f"# input data: {sizes}; local preprocessing {1e3 * sum(local_times) / len(local_times):.0f} ms "
+        f"per request (this process)",
+        flush=True,
+    )
 
     server = None
     results: list[Measurement] = []
@@ -293,21 +341,28 @@ def main(argv: list[str] | None = None) -> int:
             from mmserve_dev.triton import TritonServer
 
             repo = repository_without_prefix_caching(folder) if args.no_prefix_caching else ROOT / "model_repository"
-            env = {"MMSERVE_MODEL": str(Path(args.model).resolve()),
-                   "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}
+            env = {
+                "MMSERVE_MODEL": str(Path(args.model).resolve()),
+                "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"],
+            }
             env.update(item.split("=", 1) for item in args.server_env)
             server = TritonServer(repo, env=env, shm_default_byte_size=32 * 1024 * 1024)
             t0 = time.perf_counter()
             server.start(timeout=600)
             url = server.grpc_url
-            print(f"# server ready in {time.perf_counter() - t0:.0f} s at {url} (log {server.log_path}); "
-                  f"repository {repo}" + (f"; extra env {args.server_env}" if args.server_env else ""), flush=True)
+            print(
+                f"# server ready in {time.perf_counter() - t0:.0f} s at {url} (log {server.log_path}); "
+                f"repository {repo}" + (f"; extra env {args.server_env}" if args.server_env else ""),
+                flush=True,
+            )
 
         ensemble_ids, direct_ids = check_same_tokens(url, args.model, entries[0], args)
         same = ensemble_ids == direct_ids and len(ensemble_ids) == args.max_tokens
-        print(f"check: {'OK' if same else 'FAILED'}: ensemble and direct mm_llm give "
-              f"{'the same' if same else 'different'} greedy tokens ({len(ensemble_ids)} vs {len(direct_ids)})",
-              flush=True)
+        print(
+            f"check: {'OK' if same else 'FAILED'}: ensemble and direct mm_llm give "
+            f"{'the same' if same else 'different'} greedy tokens ({len(ensemble_ids)} vs {len(direct_ids)})",
+            flush=True,
+        )
         failed |= not same
 
         for round_ in range(args.rounds):
@@ -317,8 +372,11 @@ def main(argv: list[str] | None = None) -> int:
                     m = run_perf_analyzer(url, target, data[target], level, round_, args, folder)
                     results.append(m)
                     if m.ok:
-                        print(f"  round {round_} concurrency {level} {target:<8} {m.infer_s:6.2f} req/s  "
-                              f"latency p50 {m.latency_p50_us / 1e3:6.0f} ms  ({m.requests} requests)", flush=True)
+                        print(
+                            f"  round {round_} concurrency {level} {target:<8} {m.infer_s:6.2f} req/s  "
+                            f"latency p50 {m.latency_p50_us / 1e3:6.0f} ms  ({m.requests} requests)",
+                            flush=True,
+                        )
                     else:
                         failed = True
                         print(f"  round {round_} concurrency {level} {target:<8} FAILED:\n{m.error}", flush=True)

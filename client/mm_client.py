@@ -31,10 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--no-chat-template", dest="chat_template", action="store_false",
-                        help="send the prompt as is (it must contain the media placeholders itself)")
-    parser.add_argument("--entry", default="mm_ensemble",
-                        help="the model that takes raw requests (default %(default)s)")
+    parser.add_argument(
+        "--no-chat-template",
+        dest="chat_template",
+        action="store_false",
+        help="send the prompt as is (it must contain the media placeholders itself)",
+    )
+    parser.add_argument(
+        "--entry", default="mm_ensemble", help="the model that takes raw requests (default %(default)s)"
+    )
     parser.add_argument("--direct", action="store_true", help="preprocess locally and call mm_llm (gRPC)")
     parser.add_argument("--model", help="checkpoint directory for --direct")
     args = parser.parse_args(argv)
@@ -42,8 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url or ("127.0.0.1:8001" if args.protocol == "grpc" else "127.0.0.1:8000")
     try:
         client = MMClient(url, args.protocol, entry=args.entry, direct=args.direct, model=args.model)
-        options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                       top_k=args.top_k, seed=args.seed, apply_chat_template=args.chat_template)
+        options = dict(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            apply_chat_template=args.chat_template,
+        )
         if args.stream:
             for delta in client.stream(args.prompt, args.image, args.audio, **options):
                 print(delta, end="", flush=True)
@@ -51,8 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result = client.generate(args.prompt, args.image, args.audio, **options)
             print(result.text)
-            print(f"[finish_reason={result.finish_reason} input_tokens={result.num_input_tokens} "
-                  f"output_tokens={result.num_output_tokens}]", file=sys.stderr)
+            print(
+                f"[finish_reason={result.finish_reason} input_tokens={result.num_input_tokens} "
+                f"output_tokens={result.num_output_tokens}]",
+                file=sys.stderr,
+            )
     except (ClientError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -35,14 +35,19 @@ class MaskedAudio(ModalitySpec):
         values, masks = data["audio_values"], data["audio_attention_masks"]
         if values.shape[0] != masks.shape[0] or values.shape[0] == 0:
             raise ProcessedInputError(
-                "audio", field="audio_attention_masks",
-                expected=f"one mask per clip ({values.shape[0]} clips)", found=f"shape {tuple(masks.shape)}",
+                "audio",
+                field="audio_attention_masks",
+                expected=f"one mask per clip ({values.shape[0]} clips)",
+                found=f"shape {tuple(masks.shape)}",
             )
         for index, count in enumerate(masks.sum(-1).tolist()):
             if count <= 0:
                 raise ProcessedInputError(
-                    "audio", item=index, field="audio_attention_masks",
-                    expected="at least one unmasked position", found="none",
+                    "audio",
+                    item=index,
+                    field="audio_attention_masks",
+                    expected="at least one unmasked position",
+                    found="none",
                 )
 
     def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:

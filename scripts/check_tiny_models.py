@@ -123,9 +123,7 @@ def check_parity(family_name: str, path: Path, max_tokens: int, ignore_eos: bool
     for name, parts, images, audios in cases:
         prompt = chat_prompt(family_name, ref.processor, parts)
         hf_prompt_ids[name] = ref.processor_inputs(prompt, images, audios)["input_ids"][0].tolist()
-        hf_results[name] = ref.generate(
-            prompt, images, audios, max_new_tokens=max_tokens, ignore_eos=ignore_eos
-        )
+        hf_results[name] = ref.generate(prompt, images, audios, max_new_tokens=max_tokens, ignore_eos=ignore_eos)
 
     start = time.perf_counter()
     llm = LLM(
@@ -204,16 +202,12 @@ def check_parity(family_name: str, path: Path, max_tokens: int, ignore_eos: bool
 def main() -> int:
     from mmserve_dev import tiny_models
 
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", type=Path, default=tiny_models.DEFAULT_ROOT)
     parser.add_argument("--family", dest="family_name", action="append", choices=tiny_models.FAMILY_NAMES)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--skip-determinism", action="store_true")
-    parser.add_argument(
-        "--keep-eos", action="store_true", help="stop at EOS (default: ignore_eos, always full length)"
-    )
+    parser.add_argument("--keep-eos", action="store_true", help="stop at EOS (default: ignore_eos, always full length)")
     args = parser.parse_args()
 
     ok = True

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Print docs/RELIABILITY.md's matrix of bad inputs from the test table (tests/test_e2e_inputs.py).
 
-    python scripts/reliability_matrix.py
+python scripts/reliability_matrix.py
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ def main() -> None:
     rows: dict[tuple[str, str | None, str], list[str]] = {}
     for case, model, protocol, code, message in MATRIX:
         rows.setdefault((case, code, message), []).append(f"{model} {protocol}")
-    print(f"{len(MATRIX)} requests ({len(rows)} cases), each followed by a known-good request that must equal its reference.\n")
+    print(
+        f"{len(MATRIX)} requests ({len(rows)} cases), each followed by a known-good request that must equal its reference.\n"
+    )
     print("| case | sent to | answer | message (regex) |")
     print("|---|---|---|---|")
     for (case, code, message), routes in rows.items():

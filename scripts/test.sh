@@ -9,6 +9,7 @@ VENV=${MMSERVE_VENV:-$ROOT/.venv}
 "$VENV/bin/python" -m mmserve_dev.tiny_models
 # Lint and type-check first: fast (seconds), and a finding fails the run. Settings: pyproject.toml.
 "$VENV/bin/ruff" check "$ROOT"
+"$VENV/bin/ruff" format --check "$ROOT"
 (cd "$ROOT" && "$VENV/bin/mypy")
 set +e
 "$VENV/bin/python" -m pytest "$@"

@@ -40,10 +40,14 @@ def omni_workload(omni_reference) -> list[tuple[Request, list[int]]]:
     workload = []
     for round_ in range(3):
         for name, parts in OMNI_CASES.items():
-            request = make_request(omni_reference, f"{name}#{round_}", parts, seed=100 * round_,
-                                   question=["Describe it.", "What is this?", "Tell me more."][round_])
-            tokens = omni_reference.generate(request.text, request.images, request.audios,
-                                             max_new_tokens=MAX_TOKENS)
+            request = make_request(
+                omni_reference,
+                f"{name}#{round_}",
+                parts,
+                seed=100 * round_,
+                question=["Describe it.", "What is this?", "Tell me more."][round_],
+            )
+            tokens = omni_reference.generate(request.text, request.images, request.audios, max_new_tokens=MAX_TOKENS)
             workload.append((request, tokens))
     return workload
 
@@ -52,8 +56,9 @@ def omni_workload(omni_reference) -> list[tuple[Request, list[int]]]:
 def pytest_collection_modifyitems(config, items):
     """Server tests run last, so that the session's one server (and its engine) never overlaps the
     engines other modules start; among them, those that break the engine (``fault``) run at the end."""
-    items.sort(key=lambda item: (item.get_closest_marker("server") is not None,
-                                 item.get_closest_marker("fault") is not None))
+    items.sort(
+        key=lambda item: (item.get_closest_marker("server") is not None, item.get_closest_marker("fault") is not None)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -73,13 +78,19 @@ def server(references, tiny_models):
     grpc = settings.TRITON_GRPC_URL.get()
     if grpc:
         metrics = settings.TRITON_METRICS_URL.get()
-        yield Endpoints(grpc, settings.TRITON_HTTP_URL.get(),
-                        f"http://{metrics}/metrics" if metrics else None)
+        yield Endpoints(grpc, settings.TRITON_HTTP_URL.get(), f"http://{metrics}/metrics" if metrics else None)
         return
     from mmserve_dev.triton import TritonServer
 
-    env = {settings.MODEL.name: str(tiny_models["qwen2_5_omni"]),
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    with TritonServer(ROOT / "model_repository", env=env, shm_default_byte_size=32 * 1024 * 1024,
-                      keep_loaded=("mm_llm", "mm_ensemble"), drain="mm_llm") as triton:
+    env = {
+        settings.MODEL.name: str(tiny_models["qwen2_5_omni"]),
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    }
+    with TritonServer(
+        ROOT / "model_repository",
+        env=env,
+        shm_default_byte_size=32 * 1024 * 1024,
+        keep_loaded=("mm_llm", "mm_ensemble"),
+        drain="mm_llm",
+    ) as triton:
         yield Endpoints(triton.grpc_url, triton.http_url, triton.metrics_url, server=triton)

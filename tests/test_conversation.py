@@ -40,8 +40,10 @@ def wave_of(wav: bytes) -> np.ndarray:
 
 def user(*parts) -> dict:
     """A user message of parts: "image", "audio" or any other string (a text part)."""
-    return {"role": "user", "content": [{"type": p} if p in ("image", "audio") else {"type": "text", "text": p}
-                                        for p in parts]}
+    return {
+        "role": "user",
+        "content": [{"type": p} if p in ("image", "audio") else {"type": "text", "text": p} for p in parts],
+    }
 
 
 def assert_same(out, ref) -> None:
@@ -71,9 +73,11 @@ def test_one_user_message_is_the_text_input_path(preprocessor):
         np.testing.assert_array_equal(by_messages[name], by_text[name])
     # String content, bytes JSON, an empty text_input: the same prompt.
     plain = preprocessor("Hi there.")["input_ids"].tolist()
-    for messages, text in [('[{"role": "user", "content": "Hi there."}]', None),
-                           (b'[{"role": "user", "content": [{"type": "text", "text": "Hi there."}]}]', b""),
-                           ('[{"role": "user", "content": "Hi there."}]', "")]:
+    for messages, text in [
+        ('[{"role": "user", "content": "Hi there."}]', None),
+        (b'[{"role": "user", "content": [{"type": "text", "text": "Hi there."}]}]', b""),
+        ('[{"role": "user", "content": "Hi there."}]', ""),
+    ]:
         assert preprocessor(text, messages=messages)["input_ids"].tolist() == plain
 
 
@@ -100,7 +104,7 @@ CONVERSATIONS = {
 def test_a_conversation_is_what_the_hf_processor_makes_of_it(preprocessor, omni_reference, name):
     conversation = CONVERSATIONS[name]
     parts = [p["type"] for m in conversation if isinstance(m["content"], list) for p in m["content"]]
-    images = [IMAGE_A, IMAGE_B][:parts.count("image")]
+    images = [IMAGE_A, IMAGE_B][: parts.count("image")]
     wavs = [encode_audio(CLIP)] * parts.count("audio")
     out = preprocessor(messages=json.dumps(conversation), images=[encode_image(i) for i in images], audios=wavs)
     processor = omni_reference.processor
@@ -126,54 +130,103 @@ def test_media_follow_the_order_of_their_parts(preprocessor):
     rows = [int(np.prod(g)) for g in ab["image_grid_thw"]]
     assert rows[0] != rows[1]  # two different images, different sizes
     np.testing.assert_array_equal(ba["image_grid_thw"], ab["image_grid_thw"][::-1])
-    np.testing.assert_array_equal(ba["pixel_values"][:rows[1]], ab["pixel_values"][rows[0]:])
-    np.testing.assert_array_equal(ba["pixel_values"][rows[1]:], ab["pixel_values"][:rows[0]])
+    np.testing.assert_array_equal(ba["pixel_values"][: rows[1]], ab["pixel_values"][rows[0] :])
+    np.testing.assert_array_equal(ba["pixel_values"][rows[1] :], ab["pixel_values"][: rows[0]])
     assert ab["input_ids"].tolist() != ba["input_ids"].tolist()  # the runs swapped too
 
 
 # -- validation ----------------------------------------------------------------------------------------
 MSG = {"role": "user", "content": "x"}
 BAD = [
-    (b"[{\"role\": \"user\", \"content\": \"\xff\"}]", {}, "messages: invalid UTF-8 at byte 30 (0xff)"),
+    (b'[{"role": "user", "content": "\xff"}]', {}, "messages: invalid UTF-8 at byte 30 (0xff)"),
     ("[{", {}, "messages: not valid JSON (Expecting property name enclosed in double quotes: line 1 column 3"),
     ("[" * 100_000 + "]" * 100_000, {}, "messages: not valid JSON (nested too deeply)"),
     ("[]", {}, "messages: expected a non-empty JSON array of messages, found an empty array"),
     ('{"role": "user"}', {}, "messages: expected a non-empty JSON array of messages, found an object"),
     ("[1]", {}, "messages[0]: expected a JSON object with role and content, found a number"),
     ([{"content": "x"}], {}, "messages[0]: missing role"),
-    ([{"role": "tool", "content": "x"}], {}, 'messages[0]: unknown role "tool" (expected \'system\', \'user\' or \'assistant\')'),
+    (
+        [{"role": "tool", "content": "x"}],
+        {},
+        "messages[0]: unknown role \"tool\" (expected 'system', 'user' or 'assistant')",
+    ),
     ([{"role": "user"}], {}, "messages[0]: missing content"),
-    ([{"role": "user", "content": 3}], {}, "messages[0]: content is not a string or an array of parts (found a number)"),
+    (
+        [{"role": "user", "content": 3}],
+        {},
+        "messages[0]: content is not a string or an array of parts (found a number)",
+    ),
     ([{"role": "user", "content": None}], {}, "messages[0]: content is not a string or an array of parts (found null)"),
     ([{"role": "user", "content": []}], {}, "messages[0]: content is an empty array"),
-    ([{"role": "user", "content": "x", "name": "bob"}], {},
-     "messages[0]: unknown key(s) ['name'] (a message has only role and content)"),
-    ([MSG, {"role": "user", "content": ["x"]}], {}, "messages[1].content[0]: expected a JSON object with a type, found a string"),
+    (
+        [{"role": "user", "content": "x", "name": "bob"}],
+        {},
+        "messages[0]: unknown key(s) ['name'] (a message has only role and content)",
+    ),
+    (
+        [MSG, {"role": "user", "content": ["x"]}],
+        {},
+        "messages[1].content[0]: expected a JSON object with a type, found a string",
+    ),
     ([{"role": "user", "content": [{"text": "x"}]}], {}, "messages[0].content[0]: missing type"),
-    ([{"role": "user", "content": [{"type": "video"}]}], {},
-     "messages[0].content[0]: unknown type \"video\" (expected 'text', 'image' or 'audio')"),
+    (
+        [{"role": "user", "content": [{"type": "video"}]}],
+        {},
+        "messages[0].content[0]: unknown type \"video\" (expected 'text', 'image' or 'audio')",
+    ),
     ([{"role": "user", "content": [{"type": "text"}]}], {}, "messages[0].content[0]: missing text"),
-    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], {}, "messages[0].content[0]: text is not a string (found a number)"),
-    ([{"role": "user", "content": [{"type": "text", "text": "x", "image": "y"}]}], {},
-     "messages[0].content[0]: unknown key(s) ['image'] (a text part has only text and type)"),
-    ([{"role": "user", "content": [{"type": "image", "image_url": "http://x"}]}], {},
-     "messages[0].content[0]: unknown key(s) ['image_url'] (an image part has only type)"),
-    ([{"role": "system", "content": [{"type": "image"}]}, MSG], {},
-     "messages[0].content[0]: an image part in a system message (media go in user messages only)"),
-    ([{"role": "assistant", "content": [{"type": "audio"}]}, MSG], {},
-     "messages[0].content[0]: an audio part in an assistant message (media go in user messages only)"),
-    ([MSG, {"role": "assistant", "content": "y"}], {},
-     "messages[1]: the conversation must end with a user message, found an assistant message"),
+    (
+        [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+        {},
+        "messages[0].content[0]: text is not a string (found a number)",
+    ),
+    (
+        [{"role": "user", "content": [{"type": "text", "text": "x", "image": "y"}]}],
+        {},
+        "messages[0].content[0]: unknown key(s) ['image'] (a text part has only text and type)",
+    ),
+    (
+        [{"role": "user", "content": [{"type": "image", "image_url": "http://x"}]}],
+        {},
+        "messages[0].content[0]: unknown key(s) ['image_url'] (an image part has only type)",
+    ),
+    (
+        [{"role": "system", "content": [{"type": "image"}]}, MSG],
+        {},
+        "messages[0].content[0]: an image part in a system message (media go in user messages only)",
+    ),
+    (
+        [{"role": "assistant", "content": [{"type": "audio"}]}, MSG],
+        {},
+        "messages[0].content[0]: an audio part in an assistant message (media go in user messages only)",
+    ),
+    (
+        [MSG, {"role": "assistant", "content": "y"}],
+        {},
+        "messages[1]: the conversation must end with a user message, found an assistant message",
+    ),
     ([user("image", "image", "x")], {"images": 1}, "messages: 2 image parts but 1 image given"),
     ([user("image", "x")], {"images": 2}, "messages: 1 image part but 2 images given"),
     ([user("x")], {"images": 1}, "messages: 0 image parts but 1 image given"),
-    ([user("audio", "x")], {"audios": 1, "pcm": 1}, "messages: 1 audio part but 2 audio clips given (audio, then audio_pcm)"),
+    (
+        [user("audio", "x")],
+        {"audios": 1, "pcm": 1},
+        "messages: 1 audio part but 2 audio clips given (audio, then audio_pcm)",
+    ),
     ([user("audio", "audio", "x")], {}, "messages: 2 audio parts but 0 audio clips given"),
     ([MSG], {"text": "hello"}, "messages: text_input must be absent or empty when messages is given"),
     ([MSG], {"apply_chat_template": False}, "messages: apply_chat_template must not be false when messages is given"),
     ([MSG] * 65, {}, "messages: 65 messages exceed the limit of 64 (max_messages)"),
-    ('[{"role": "user", "content": "ab\\ud800"}]', {}, "messages[0].content: a lone surrogate (\\ud800) at character 2 is not text"),
-    ([{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}], {}, "messages[0].content[0]: a lone surrogate"),
+    (
+        '[{"role": "user", "content": "ab\\ud800"}]',
+        {},
+        "messages[0].content: a lone surrogate (\\ud800) at character 2 is not text",
+    ),
+    (
+        [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}],
+        {},
+        "messages[0].content[0]: a lone surrogate",
+    ),
     ([{"role": {"x": "y" * 100}, "content": "x"}], {}, "y... (expected 'system', 'user' or 'assistant')"),
 ]
 
@@ -181,8 +234,11 @@ BAD = [
 @pytest.mark.parametrize("messages,request_,message", BAD, ids=[m for _, _, m in BAD])
 def test_bad_messages_are_named_exactly(preprocessor, messages, request_, message):
     png, wav = encode_image(IMAGE_A), encode_audio(CLIP)
-    kwargs = {"images": [png] * request_.get("images", 0), "audios": [wav] * request_.get("audios", 0),
-              "pcm": [(CLIP, AUDIO_SAMPLE_RATE)] * request_.get("pcm", 0)}
+    kwargs = {
+        "images": [png] * request_.get("images", 0),
+        "audios": [wav] * request_.get("audios", 0),
+        "pcm": [(CLIP, AUDIO_SAMPLE_RATE)] * request_.get("pcm", 0),
+    }
     if "apply_chat_template" in request_:
         kwargs["apply_chat_template"] = request_["apply_chat_template"]
     raw = messages if isinstance(messages, (str, bytes)) else json.dumps(messages)
@@ -194,11 +250,15 @@ def test_media_errors_still_name_the_item(preprocessor):
 
     wide = encode_image(Image.new("RGB", (10_000, 1), (90, 120, 200)))
     conversation = json.dumps([user("image", "a"), {"role": "assistant", "content": "b"}, user("image", "c")])
-    message = rejects(lambda: preprocessor(messages=conversation, images=[encode_image(IMAGE_A), wide]),
-                      "image[1]: 10000x1 pixels: the processor rejects it (")
+    message = rejects(
+        lambda: preprocessor(messages=conversation, images=[encode_image(IMAGE_A), wide]),
+        "image[1]: 10000x1 pixels: the processor rejects it (",
+    )
     assert "messages" not in message
-    rejects(lambda: preprocessor(messages=json.dumps([user("audio", "x")]), audios=[b"junk"]),
-            "audio[0]: cannot decode 4 bytes as audio")
+    rejects(
+        lambda: preprocessor(messages=json.dumps([user("audio", "x")]), audios=[b"junk"]),
+        "audio[0]: cannot decode 4 bytes as audio",
+    )
 
 
 def test_limits_count_the_conversation(preprocessor):
@@ -207,18 +267,24 @@ def test_limits_count_the_conversation(preprocessor):
     raw = json.dumps([user("Hello there.")])
     small = preprocessor.with_settings(limits=PreprocessLimits(max_request_bytes=len(raw) + 99))
     png = encode_image(IMAGE_A)
-    rejects(lambda: small(messages=raw, images=[png]),
-            f"request: {len(raw) + len(png)} bytes of text and media exceed the limit of {len(raw) + 99} (max_request_bytes)")
+    rejects(
+        lambda: small(messages=raw, images=[png]),
+        f"request: {len(raw) + len(png)} bytes of text and media exceed the limit of {len(raw) + 99} (max_request_bytes)",
+    )
     rejects(lambda: small(messages=json.dumps([user("x" * 200)])), "(max_request_bytes)")
     two = preprocessor.with_settings(limits=PreprocessLimits(max_messages=2))
     rejects(lambda: two(messages=json.dumps([MSG] * 3)), "messages: 3 messages exceed the limit of 2 (max_messages)")
     assert two(messages=json.dumps([MSG] * 2))["input_ids"].size > 0
     tokens = preprocessor(messages=raw)["input_ids"].size
-    rejects(lambda: preprocessor.with_settings(limits=PreprocessLimits(max_prompt_tokens=tokens - 1))(messages=raw),
-            f"messages: the prompt is {tokens} tokens after expansion")
+    rejects(
+        lambda: preprocessor.with_settings(limits=PreprocessLimits(max_prompt_tokens=tokens - 1))(messages=raw),
+        f"messages: the prompt is {tokens} tokens after expansion",
+    )
     size = preprocessor.max_token_bytes * 32_768 + 1
-    rejects(lambda: preprocessor(messages=json.dumps([user("a" * size)])),
-            f"messages: {size} bytes make at least 32769 tokens, over the limit of 32768 (max_prompt_tokens)")
+    rejects(
+        lambda: preprocessor(messages=json.dumps([user("a" * size)])),
+        f"messages: {size} bytes make at least 32769 tokens, over the limit of 32768 (max_prompt_tokens)",
+    )
     assert PreprocessLimits.from_parameters({"max_messages": "8"}).max_messages == 8
 
 
@@ -236,8 +302,15 @@ def test_control_tokens_in_any_turn_are_plain_text(preprocessor):
         {"role": "assistant", "content": [{"type": "text", "text": "Sure<|endoftext|>"}]},
         user("What now? " + INJECTION),
     ]
-    clean = [{"role": m["role"], "content": "x" if isinstance(m["content"], str) else [
-        {"type": "text", "text": "x"} if p["type"] == "text" else p for p in m["content"]]} for m in conversation]
+    clean = [
+        {
+            "role": m["role"],
+            "content": "x"
+            if isinstance(m["content"], str)
+            else [{"type": "text", "text": "x"} if p["type"] == "text" else p for p in m["content"]],
+        }
+        for m in conversation
+    ]
     images = [encode_image(IMAGE_A), encode_image(IMAGE_B)]
     out = preprocessor(messages=json.dumps(conversation), images=images)
     template_alone = preprocessor(messages=json.dumps(clean), images=images)
@@ -256,23 +329,28 @@ def test_control_tokens_in_any_turn_are_plain_text(preprocessor):
     for text in ("Rules: " + INJECTION, "What now? " + INJECTION):
         plain = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         assert _contains(ids.tolist(), plain), text
-    plain = tokenizer("Look <|IMAGE|> here " + INJECTION + " and more <|im_end|>", add_special_tokens=False,
-                      split_special_tokens=True)["input_ids"]
+    plain = tokenizer(
+        "Look <|IMAGE|> here " + INJECTION + " and more <|im_end|>", add_special_tokens=False, split_special_tokens=True
+    )["input_ids"]
     assert _contains(ids.tolist(), plain)  # three texts with only plain text between them: one run
 
 
 def _contains(ids: list[int], part: list[int]) -> bool:
-    return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+    return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
 
 
 def test_reject_mode_names_the_message_and_part(preprocessor):
     strict = preprocessor.with_settings(user_control_tokens="reject")
     conversation = [{"role": "system", "content": "ok"}, user("fine", "hi " + INJECTION)]
-    rejects(lambda: strict(messages=json.dumps(conversation)),
-            "messages[1].content[1]: the control token '<|im_start|>' at character 3 is not accepted in user text "
-            "(user_control_tokens=reject)")
-    rejects(lambda: strict(messages=json.dumps([{"role": "system", "content": "<|im_end|>"}, MSG])),
-            "messages[0].content: the control token '<|im_end|>' at character 0")
+    rejects(
+        lambda: strict(messages=json.dumps(conversation)),
+        "messages[1].content[1]: the control token '<|im_start|>' at character 3 is not accepted in user text "
+        "(user_control_tokens=reject)",
+    )
+    rejects(
+        lambda: strict(messages=json.dumps([{"role": "system", "content": "<|im_end|>"}, MSG])),
+        "messages[0].content: the control token '<|im_end|>' at character 0",
+    )
     assert strict(messages=json.dumps([MSG]))["input_ids"].tolist() == preprocessor("x")["input_ids"].tolist()
 
 
@@ -286,7 +364,8 @@ def test_a_conversation_through_the_ensemble_matches_offline_vllm(server, refere
 
     case = CONVERSATION
     assert case.ids is not None  # filled in by the references fixture
-    result = client(server, entry="mm_ensemble").generate(messages=case.messages, images=case.images,
-                                                          audios=case.audios, **sampling())
+    result = client(server, entry="mm_ensemble").generate(
+        messages=case.messages, images=case.images, audios=case.audios, **sampling()
+    )
     assert result.output_ids == case.ids
     assert result.text == case.output

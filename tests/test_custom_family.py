@@ -41,8 +41,9 @@ def test_masked_audio_errors_name_item_and_field(example):
     with pytest.raises(ProcessedInputError, match=r"audio item 1, audio_attention_masks: expected at least one"):
         ProcessedItems({"audio_values": torch.randn(2, 80, 100), "audio_attention_masks": masks}, audio, None)
     with pytest.raises(ProcessedInputError, match=r"audio, audio_values: expected a floating-point tensor"):
-        ProcessedItems({"audio_values": torch.ones(2, 80, 100, dtype=torch.int64),
-                        "audio_attention_masks": masks}, audio, None)
+        ProcessedItems(
+            {"audio_values": torch.ones(2, 80, 100, dtype=torch.int64), "audio_attention_masks": masks}, audio, None
+        )
 
 
 def test_family_reuses_the_qwen_vision_rule(example):

@@ -259,7 +259,9 @@ def test_the_gateway_runs_beside_the_server():
     gateway = _container(_one("Deployment"), "openai")
     args = gateway["command"][3:]
     assert gateway["command"][:3] == ["python3", "-m", "mmserve.gateway"]
-    assert args[args.index("--triton-url") + 1] == f"127.0.0.1:{_port(_container(_one('Deployment'), 'triton'), 'grpc')}"
+    assert (
+        args[args.index("--triton-url") + 1] == f"127.0.0.1:{_port(_container(_one('Deployment'), 'triton'), 'grpc')}"
+    )
     assert args[args.index("--host") + 1] == "0.0.0.0"  # reachable through the Service
     assert int(args[args.index("--port") + 1]) == _port(gateway, "openai")
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
@@ -307,8 +309,12 @@ def test_the_gateway_command_runs(tmp_path):
 def test_service_exposes_tritons_ports_and_the_gateways_with_prometheus_annotations():
     service, deployment = _one("Service"), _one("Deployment")
     ports = {p["name"]: p for p in service["spec"]["ports"]}
-    assert {name: p["port"] for name, p in ports.items()} == {"http": 8000, "grpc": 8001, "metrics": 8002,
-                                                              "openai": 9000}
+    assert {name: p["port"] for name, p in ports.items()} == {
+        "http": 8000,
+        "grpc": 8001,
+        "metrics": 8002,
+        "openai": 9000,
+    }
     for name, port in ports.items():
         container = _container(deployment, "openai" if name == "openai" else "triton")
         assert _port(container, port["targetPort"]) == port["port"], name
@@ -351,8 +357,11 @@ def test_hpa_scales_on_the_waiting_gauge_mm_llm_exports():
     exported = _exported_metrics()
     assert exported.get("waiting") == "vllm:num_requests_waiting", exported
     hpa, deployment = _one("HorizontalPodAutoscaler"), _one("Deployment")
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                             "name": deployment["metadata"]["name"]}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": deployment["metadata"]["name"],
+    }
     (metric,) = hpa["spec"]["metrics"]
     assert metric["type"] == "Pods"
     assert metric["pods"]["metric"]["name"] == exported["waiting"]
@@ -378,7 +387,10 @@ def test_dockerfiles_pass_hadolint():
     assert version.returncode == 0, version.stderr
     result = subprocess.run(
         [binary, "--no-color", "--failure-threshold", "style", *[str(p.relative_to(ROOT)) for p in DOCKERFILES]],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, f"{version.stdout.strip()}:\n{result.stdout}{result.stderr}"
 
@@ -386,8 +398,11 @@ def test_dockerfiles_pass_hadolint():
 def _dockerignore_allows(relative: str) -> bool:
     """Whether the build context keeps ``relative`` (a file or folder): .dockerignore is `*` then an
     allowlist of `!` entries (files or folders), followed by excludes inside them."""
-    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert patterns[0] == "*", "expected an allowlist .dockerignore"
     allowed = [p[1:].rstrip("/") for p in patterns if p.startswith("!")]
     return any(relative == a or relative.startswith(a + "/") for a in allowed)

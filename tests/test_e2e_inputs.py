@@ -44,11 +44,16 @@ code: INVALID_ARG 400, UNAVAILABLE 503, INTERNAL 500)."""
 def png_header(width: int, height: int) -> bytes:
     """A PNG that declares ``width`` x ``height`` pixels and holds none (a decompression bomb's
     header: decoders that trust it allocate width*height*3 bytes)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(b""))
+        + chunk(b"IEND", b"")
+    )
 
 
 def png(width: int, height: int) -> bytes:
@@ -74,7 +79,7 @@ def tone(seconds: float, rate: int = AUDIO_SAMPLE_RATE) -> np.ndarray:
 
 def with_nan(samples: np.ndarray, count: int = 3, value: float = np.nan) -> np.ndarray:
     samples = samples.copy()
-    samples[1:1 + count] = value
+    samples[1 : 1 + count] = value
     return samples
 
 
@@ -153,44 +158,92 @@ class BadRaw:
 
 RAW_CASES: list[BadRaw] = [
     BadRaw("missing text_input", Raw(text=None), r"text_input: required"),
-    BadRaw("text_input not UTF-8", Raw(text=b"caf\xe9 \xff"), r"text_input: invalid UTF-8 at byte 3", protocols=("grpc",)),
+    BadRaw(
+        "text_input not UTF-8", Raw(text=b"caf\xe9 \xff"), r"text_input: invalid UTF-8 at byte 3", protocols=("grpc",)
+    ),
     BadRaw("image not an image", Raw(images=(b"not an image",)), r"image\[0\]: cannot decode 12 bytes as an image"),
-    BadRaw("image data URL not base64", Raw(images=("data:image/png,abc",)), r"image\[0\]: .*base64", protocols=("http",)),
-    BadRaw("image bad base64", Raw(images=("data:image/png;base64,@@@",)), r"image\[0\]: .*base64", protocols=("http",)),
-    BadRaw("image 20000x20000 (bomb)", Raw(images=(png_header(20000, 20000),)),
-           r"image\[0\]: 400000000 pixels \(20000x20000\) exceeds the limit of \d+ \(max_image_pixels\)"),
-    BadRaw("image 100 megapixels", Raw(images=(png_header(10000, 10000),)),
-           r"image\[0\]: 100000000 pixels \(10000x10000\) exceeds the limit"),
+    BadRaw(
+        "image data URL not base64", Raw(images=("data:image/png,abc",)), r"image\[0\]: .*base64", protocols=("http",)
+    ),
+    BadRaw(
+        "image bad base64", Raw(images=("data:image/png;base64,@@@",)), r"image\[0\]: .*base64", protocols=("http",)
+    ),
+    BadRaw(
+        "image 20000x20000 (bomb)",
+        Raw(images=(png_header(20000, 20000),)),
+        r"image\[0\]: 400000000 pixels \(20000x20000\) exceeds the limit of \d+ \(max_image_pixels\)",
+    ),
+    BadRaw(
+        "image 100 megapixels",
+        Raw(images=(png_header(10000, 10000),)),
+        r"image\[0\]: 100000000 pixels \(10000x10000\) exceeds the limit",
+    ),
     BadRaw("image 10000x1", Raw(images=(png(10000, 1),)), r"image\[0\]: .*10000x1"),
     BadRaw("second image broken", Raw(images=(GOOD_IMAGE, b"\x89PNG\r\n\x1a\nxx")), r"image\[1\]: cannot decode"),
-    BadRaw("5 images (limit 4)", Raw(images=(GOOD_IMAGE,) * 5), r"image: 5 images exceed the limit of 4 per request \(max_images\)"),
+    BadRaw(
+        "5 images (limit 4)",
+        Raw(images=(GOOD_IMAGE,) * 5),
+        r"image: 5 images exceed the limit of 4 per request \(max_images\)",
+    ),
     BadRaw("audio not audio", Raw(audios=(b"RIFF0000WAVE",)), r"audio\[0\]: cannot decode 12 bytes as audio"),
-    BadRaw("audio NaN samples", Raw(audios=(wav(with_nan(tone(1.0))),)), r"audio\[0\]: 3 non-finite samples \(NaN/Inf\)"),
-    BadRaw("audio Inf samples", Raw(audios=(GOOD_AUDIO, wav(with_nan(tone(1.0), 5, np.inf)))),
-           r"audio\[1\]: 5 non-finite samples \(NaN/Inf\)"),
-    BadRaw("audio 40 s (window 30 s)", Raw(audios=(wav(tone(40.0, 8000), 8000, "PCM_U8"),)),
-           r"audio\[0\]: 40\.0 s exceeds the limit of 30\.0 s per clip \(max_audio_seconds"),
+    BadRaw(
+        "audio NaN samples", Raw(audios=(wav(with_nan(tone(1.0))),)), r"audio\[0\]: 3 non-finite samples \(NaN/Inf\)"
+    ),
+    BadRaw(
+        "audio Inf samples",
+        Raw(audios=(GOOD_AUDIO, wav(with_nan(tone(1.0), 5, np.inf)))),
+        r"audio\[1\]: 5 non-finite samples \(NaN/Inf\)",
+    ),
+    BadRaw(
+        "audio 40 s (window 30 s)",
+        Raw(audios=(wav(tone(40.0, 8000), 8000, "PCM_U8"),)),
+        r"audio\[0\]: 40\.0 s exceeds the limit of 30\.0 s per clip \(max_audio_seconds",
+    ),
     BadRaw("audio 0.01 s", Raw(audios=(wav(tone(0.01)),)), r"audio\[0\]: .*too short"),
-    BadRaw("3 audio clips (limit 2)", Raw(audios=(GOOD_AUDIO,) * 3), r"audio: 3 clips .*exceed the limit of 2 per request \(max_audio_clips\)"),
+    BadRaw(
+        "3 audio clips (limit 2)",
+        Raw(audios=(GOOD_AUDIO,) * 3),
+        r"audio: 3 clips .*exceed the limit of 2 per request \(max_audio_clips\)",
+    ),
     BadRaw("audio_pcm without rate", Raw(pcm=tone(1.0)), r"audio_sample_rate"),
-    BadRaw("audio_pcm NaN", Raw(pcm=with_nan(tone(1.0)), rate=AUDIO_SAMPLE_RATE), r"audio_pcm\[0\]: 3 non-finite samples", protocols=("grpc",)),
+    BadRaw(
+        "audio_pcm NaN",
+        Raw(pcm=with_nan(tone(1.0)), rate=AUDIO_SAMPLE_RATE),
+        r"audio_pcm\[0\]: 3 non-finite samples",
+        protocols=("grpc",),
+    ),
     BadRaw("audio_pcm rate 0", Raw(pcm=tone(1.0), rate=0), r"audio_pcm\[0\]: expected a positive sample rate"),
     BadRaw("sampling not JSON", Raw(sampling="{"), r"sampling_parameters: invalid JSON"),
     BadRaw("sampling a list", Raw(sampling="[1]"), r"sampling_parameters: expected a JSON object, found list"),
-    BadRaw("sampling unknown field", Raw(sampling={"no_such_option": 1}), r"sampling_parameters: unknown parameter\(s\) \['no_such_option'\]"),
+    BadRaw(
+        "sampling unknown field",
+        Raw(sampling={"no_such_option": 1}),
+        r"sampling_parameters: unknown parameter\(s\) \['no_such_option'\]",
+    ),
     BadRaw("max_tokens 16.5", Raw(sampling={"max_tokens": 16.5}), r"sampling_parameters: max_tokens: expected .*16\.5"),
     BadRaw("max_tokens true", Raw(sampling={"max_tokens": True}), r"sampling_parameters: max_tokens: expected .*true"),
     BadRaw("ignore_eos 1", Raw(sampling={"ignore_eos": 1}), r"sampling_parameters: ignore_eos: expected .*1"),
     BadRaw("max_tokens 10**30", Raw(sampling={"max_tokens": 10**30}), r"sampling_parameters: max_tokens: expected"),
     BadRaw("stop 5", Raw(sampling={"stop": 5}), r"sampling_parameters: stop: expected"),
     BadRaw("seed 2**70", Raw(sampling={"seed": 2**70}), r"sampling_parameters: seed: expected"),
-    BadRaw("temperature NaN", Raw(sampling='{"temperature": NaN}'), r"sampling_parameters: temperature: expected .*NaN"),
-    BadRaw("temperature -1", Raw(sampling={"temperature": -1}), r"sampling_parameters: temperature must be non-negative"),
-    BadRaw("structured_outputs", Raw(sampling={"structured_outputs": {"json": {}}}),
-           r"sampling_parameters: .*structured_outputs.* not supported"),
+    BadRaw(
+        "temperature NaN", Raw(sampling='{"temperature": NaN}'), r"sampling_parameters: temperature: expected .*NaN"
+    ),
+    BadRaw(
+        "temperature -1", Raw(sampling={"temperature": -1}), r"sampling_parameters: temperature must be non-negative"
+    ),
+    BadRaw(
+        "structured_outputs",
+        Raw(sampling={"structured_outputs": {"json": {}}}),
+        r"sampling_parameters: .*structured_outputs.* not supported",
+    ),
     BadRaw("logit_bias bad key", Raw(sampling={"logit_bias": {"x": 1}}), r"sampling_parameters: logit_bias"),
     BadRaw("n 2", Raw(sampling={"n": 2}), r"sampling_parameters: n: only 1 completion"),
-    BadRaw("prompt over max_prompt_tokens", Raw(text="word " * 5000), r"text_input: .*max_prompt_tokens|maximum context length"),
+    BadRaw(
+        "prompt over max_prompt_tokens",
+        Raw(text="word " * 5000),
+        r"text_input: .*max_prompt_tokens|maximum context length",
+    ),
 ]
 
 ROUTES = [(entry, protocol) for entry in utils.ENTRIES for protocol in ("grpc", "http")]
@@ -217,6 +270,7 @@ def _edit(**changes: Any) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndar
             else:
                 out[name] = value(out[name]) if callable(value) else value
         return out
+
     return apply
 
 
@@ -225,6 +279,7 @@ def _poke(value: float, at: tuple[int, ...] = (0, 0)) -> Callable[[np.ndarray], 
         array = array.copy()
         array[at] = value
         return array
+
     return apply
 
 
@@ -243,41 +298,118 @@ def _not_a_prefix(mask: np.ndarray) -> np.ndarray:
 
 LLM_CASES: list[BadTensors] = [
     BadTensors("input_ids empty", "mm_llm", _edit(input_ids=np.zeros(0, np.int64)), r"input_ids: expected a non-empty"),
-    BadTensors("input_ids negative", "mm_llm", _edit(input_ids=_poke(-5, (0,))), r"input_ids: expected token ids in \[0, \d+\), found -5 at position 0"),
-    BadTensors("input_ids past the vocabulary", "mm_llm", _edit(input_ids=_poke(10**9, (1,))),
-               r"input_ids: expected token ids in \[0, \d+\), found 1000000000 at position 1"),
-    BadTensors("input_ids FP32", "mm_llm", _edit(input_ids=lambda ids: ids.astype(np.float32)), r"input_ids.*(INT64|FP32)", code=None),
-    BadTensors("pixel_values NaN", "mm_llm", _edit(pixel_values=_poke(np.nan)), r"image, pixel_values: expected finite values, found 1 NaN/Inf value"),
-    BadTensors("input_features Inf", "mm_llm", _edit(input_features=_poke(np.inf, (0, 0, 0))),
-               r"audio, input_features: expected finite values, found 1 NaN/Inf value"),
-    BadTensors("one placeholder missing", "mm_llm", _edit(input_ids=_drop_one_placeholder),
-               r"(image|audio) item 0, prompt_token_ids: expected \d+ <\|(IMAGE|AUDIO)\|> tokens .*found a run of \d+"),
-    BadTensors("image_grid_thw doubled", "mm_llm", _edit(image_grid_thw=lambda g: g * 2), r"image, pixel_values: expected \d+ patches"),
-    BadTensors("pixel_values patch size", "mm_llm", _edit(pixel_values=lambda p: p[:, :100]), r"image, pixel_values: expected 1176 values per patch"),
-    BadTensors("audio mask not a prefix", "mm_llm", _edit(feature_attention_mask=_not_a_prefix),
-               r"audio item 0, feature_attention_mask: expected a prefix of ones"),
-    BadTensors("audio mask value 2", "mm_llm", _edit(feature_attention_mask=lambda m: m * 2), r"audio, feature_attention_mask: expected only 0 and 1"),
-    BadTensors("audio mel bins", "mm_llm", _edit(input_features=lambda f: f[:, :64]), r"audio, input_features: expected 128 mel bins"),
+    BadTensors(
+        "input_ids negative",
+        "mm_llm",
+        _edit(input_ids=_poke(-5, (0,))),
+        r"input_ids: expected token ids in \[0, \d+\), found -5 at position 0",
+    ),
+    BadTensors(
+        "input_ids past the vocabulary",
+        "mm_llm",
+        _edit(input_ids=_poke(10**9, (1,))),
+        r"input_ids: expected token ids in \[0, \d+\), found 1000000000 at position 1",
+    ),
+    BadTensors(
+        "input_ids FP32",
+        "mm_llm",
+        _edit(input_ids=lambda ids: ids.astype(np.float32)),
+        r"input_ids.*(INT64|FP32)",
+        code=None,
+    ),
+    BadTensors(
+        "pixel_values NaN",
+        "mm_llm",
+        _edit(pixel_values=_poke(np.nan)),
+        r"image, pixel_values: expected finite values, found 1 NaN/Inf value",
+    ),
+    BadTensors(
+        "input_features Inf",
+        "mm_llm",
+        _edit(input_features=_poke(np.inf, (0, 0, 0))),
+        r"audio, input_features: expected finite values, found 1 NaN/Inf value",
+    ),
+    BadTensors(
+        "one placeholder missing",
+        "mm_llm",
+        _edit(input_ids=_drop_one_placeholder),
+        r"(image|audio) item 0, prompt_token_ids: expected \d+ <\|(IMAGE|AUDIO)\|> tokens .*found a run of \d+",
+    ),
+    BadTensors(
+        "image_grid_thw doubled",
+        "mm_llm",
+        _edit(image_grid_thw=lambda g: g * 2),
+        r"image, pixel_values: expected \d+ patches",
+    ),
+    BadTensors(
+        "pixel_values patch size",
+        "mm_llm",
+        _edit(pixel_values=lambda p: p[:, :100]),
+        r"image, pixel_values: expected 1176 values per patch",
+    ),
+    BadTensors(
+        "audio mask not a prefix",
+        "mm_llm",
+        _edit(feature_attention_mask=_not_a_prefix),
+        r"audio item 0, feature_attention_mask: expected a prefix of ones",
+    ),
+    BadTensors(
+        "audio mask value 2",
+        "mm_llm",
+        _edit(feature_attention_mask=lambda m: m * 2),
+        r"audio, feature_attention_mask: expected only 0 and 1",
+    ),
+    BadTensors(
+        "audio mel bins",
+        "mm_llm",
+        _edit(input_features=lambda f: f[:, :64]),
+        r"audio, input_features: expected 128 mel bins",
+    ),
     BadTensors("audio mask missing", "mm_llm", _edit(feature_attention_mask=None), r"audio: expected the fields"),
-    BadTensors("image tensors without placeholders", "mm_llm",
-               _edit(input_ids=lambda ids: ids[: int(np.flatnonzero(ids == np.bincount(ids).argmax())[0]) - 1]),
-               r"(image|audio), prompt_token_ids: expected 1 run\(s\) of <\|(IMAGE|AUDIO)\|>"),
-    BadTensors("text_input not UTF-8", "mm_llm", _edit(text_input=np.array([b"\xff\xfe"], dtype=object)),
-               r"text_input: not valid UTF-8 \(byte 0xff at offset 0\)"),
-    BadTensors("sampling ignore_eos 1", "mm_llm", _edit(sampling_parameters=np.array([b'{"ignore_eos": 1}'], dtype=object)),
-               r"sampling_parameters: ignore_eos: expected"),
-    BadTensors("preprocess: image not an image", "preprocess", _edit(image=np.array([b"junk"], dtype=object)),
-               r"image\[0\]: cannot decode 4 bytes as an image"),
-    BadTensors("preprocess: audio NaN", "preprocess", _edit(audio=np.array([wav(with_nan(tone(0.5)))], dtype=object)),
-               r"audio\[0\]: 3 non-finite samples"),
-    BadTensors("preprocess: text not UTF-8", "preprocess", _edit(text_input=np.array([b"\xc3("], dtype=object)),
-               r"text_input: invalid UTF-8 at byte 0"),
+    BadTensors(
+        "image tensors without placeholders",
+        "mm_llm",
+        _edit(input_ids=lambda ids: ids[: int(np.flatnonzero(ids == np.bincount(ids).argmax())[0]) - 1]),
+        r"(image|audio), prompt_token_ids: expected 1 run\(s\) of <\|(IMAGE|AUDIO)\|>",
+    ),
+    BadTensors(
+        "text_input not UTF-8",
+        "mm_llm",
+        _edit(text_input=np.array([b"\xff\xfe"], dtype=object)),
+        r"text_input: not valid UTF-8 \(byte 0xff at offset 0\)",
+    ),
+    BadTensors(
+        "sampling ignore_eos 1",
+        "mm_llm",
+        _edit(sampling_parameters=np.array([b'{"ignore_eos": 1}'], dtype=object)),
+        r"sampling_parameters: ignore_eos: expected",
+    ),
+    BadTensors(
+        "preprocess: image not an image",
+        "preprocess",
+        _edit(image=np.array([b"junk"], dtype=object)),
+        r"image\[0\]: cannot decode 4 bytes as an image",
+    ),
+    BadTensors(
+        "preprocess: audio NaN",
+        "preprocess",
+        _edit(audio=np.array([wav(with_nan(tone(0.5)))], dtype=object)),
+        r"audio\[0\]: 3 non-finite samples",
+    ),
+    BadTensors(
+        "preprocess: text not UTF-8",
+        "preprocess",
+        _edit(text_input=np.array([b"\xc3("], dtype=object)),
+        r"text_input: invalid UTF-8 at byte 0",
+    ),
     BadTensors("preprocess: no text_input", "preprocess", _edit(text_input=None), r"text_input: required"),
 ]
 
 MATRIX: list[tuple[str, str, str, str | None, str]] = [
     (case.id, entry, protocol, case.code, case.message)
-    for case in RAW_CASES for entry, protocol in ROUTES if protocol in case.protocols
+    for case in RAW_CASES
+    for entry, protocol in ROUTES
+    if protocol in case.protocols
 ] + [(case.id, case.model, "grpc", case.code, case.message) for case in LLM_CASES]
 """(case, model, protocol, tag, message regex): what docs/RELIABILITY.md lists."""
 
@@ -391,7 +523,9 @@ def test_finding2_non_finite_inputs_never_poison_later_requests(server, referenc
     with pytest.raises(ClientError, match=r"non-finite"):
         client.generate("Listen.", audios=[wav(with_nan(tone(1.0), 800))], **sampling())
     with pytest.raises(ClientError, match=r"NaN/Inf"):
-        send_tensors(server, "mm_llm", {**processed, "input_features": np.full_like(processed["input_features"], np.nan)})
+        send_tensors(
+            server, "mm_llm", {**processed, "input_features": np.full_like(processed["input_features"], np.nan)}
+        )
     for k in range(4):
         case = references[f"text_only#{k}"]
         assert client.generate(case.text, **sampling()).output_ids == case.ids
@@ -452,7 +586,9 @@ def test_reliability_doc_lists_the_matrix():
     import subprocess
     import sys
 
-    generated = subprocess.run([sys.executable, str(ROOT / "scripts" / "reliability_matrix.py")],
-                               capture_output=True, text=True, check=True).stdout
-    assert generated.strip() in (ROOT / "docs" / "RELIABILITY.md").read_text(), \
+    generated = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "reliability_matrix.py")], capture_output=True, text=True, check=True
+    ).stdout
+    assert generated.strip() in (ROOT / "docs" / "RELIABILITY.md").read_text(), (
         "docs/RELIABILITY.md is stale: python scripts/reliability_matrix.py > the matrix section"
+    )

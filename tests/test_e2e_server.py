@@ -68,10 +68,13 @@ def test_streamed_responses_carry_every_output_asked_for(server, references):
     gateway ask for only in part: each one asked for is in every streamed response."""
     case = references["image_audio#1"]
     flags = ("stream", "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
-    tensors = {"text_input": np.array([case.text.encode()], dtype=object),
-               "image": np.array(case.images, dtype=object), "audio": np.array(case.audios, dtype=object),
-               "sampling_parameters": np.array([json.dumps(_sampling()).encode()], dtype=object),
-               **{name: np.array([True]) for name in flags}}
+    tensors = {
+        "text_input": np.array([case.text.encode()], dtype=object),
+        "image": np.array(case.images, dtype=object),
+        "audio": np.array(case.audios, dtype=object),
+        "sampling_parameters": np.array([json.dumps(_sampling()).encode()], dtype=object),
+        **{name: np.array([True]) for name in flags},
+    }
     responses = [r for r in send_tensors(server, "mm_ensemble", tensors) if r.output_ids]
     assert len(responses) > 1
     assert sum((r.output_ids for r in responses), []) == case.ids
@@ -186,8 +189,11 @@ def test_a_cancel_through_the_ensemble_stops_the_engine(server, stream):
     if server.metrics is None:
         pytest.skip("MMSERVE_TRITON_METRICS_URL not given")
     client = _client(server)
-    tries = generated_after_cancel(server, lambda: client.start("Count.", stream=stream, **LONG_GENERATION),
-                                   max_tokens=LONG_GENERATION["max_tokens"])
+    tries = generated_after_cancel(
+        server,
+        lambda: client.start("Count.", stream=stream, **LONG_GENERATION),
+        max_tokens=LONG_GENERATION["max_tokens"],
+    )
     print(f"\nmm_ensemble, stream={stream}: (tokens when cancelled, in all) per try: {tries}")
     assert_cancel_stopped_the_engine(tries, LONG_GENERATION["max_tokens"])
 
@@ -202,8 +208,11 @@ def test_a_cancel_that_overtakes_its_request_ends_it_cancelled(server):
     before = metric(server, "vllm:generation_tokens_total")
     request_id = f"overtaken-{time.monotonic_ns()}"
     assert cancel_on_engine(server.grpc, request_id)
-    tensors = {"text_input": np.array([b"Count."], dtype=object), "stream": np.array([True]),
-               "sampling_parameters": np.array([json.dumps(LONG_GENERATION).encode()], dtype=object)}
+    tensors = {
+        "text_input": np.array([b"Count."], dtype=object),
+        "stream": np.array([True]),
+        "sampling_parameters": np.array([json.dumps(LONG_GENERATION).encode()], dtype=object),
+    }
     with pytest.raises(ClientError) as error:
         list(Generation(server.grpc, "mm_ensemble", grpc_inputs(tensors), request_id=request_id))
     assert error.value.code == "CANCELLED", str(error.value)
@@ -214,8 +223,11 @@ def test_cancel_reaches_mm_llm_called_directly(server, tiny_models):
     if server.metrics is None:
         pytest.skip("MMSERVE_TRITON_METRICS_URL not given")
     direct = _client(server, direct=True, model=tiny_models["qwen2_5_omni"])  # preprocessed here: to mm_llm
-    tries = generated_after_cancel(server, lambda: direct.start("Count.", stream=False, **LONG_GENERATION),
-                                   max_tokens=LONG_GENERATION["max_tokens"])
+    tries = generated_after_cancel(
+        server,
+        lambda: direct.start("Count.", stream=False, **LONG_GENERATION),
+        max_tokens=LONG_GENERATION["max_tokens"],
+    )
     print(f"\nmm_llm: (tokens when cancelled, in all) per try: {tries}")
     assert_cancel_stopped_the_engine(tries, LONG_GENERATION["max_tokens"])
 
@@ -238,18 +250,45 @@ def test_health_metadata_and_metrics(server, references):
     assert metric(server, "vllm:e2e_request_latency_seconds_count") >= 1
     assert metric(server, "vllm:request_time_per_output_token_seconds_count") >= 1
     # The per-token histogram is opt-in (config.pbtxt report_inter_token_latency: a call per token).
-    assert "vllm:time_per_output_token_seconds" not in urllib.request.urlopen(server.metrics, timeout=10).read().decode()
+    assert (
+        "vllm:time_per_output_token_seconds" not in urllib.request.urlopen(server.metrics, timeout=10).read().decode()
+    )
 
 
 def test_perf_analyzer_against_the_ensemble(server, tmp_path):
     perf_analyzer = Path(settings.VENV.get(str(ROOT / ".venv"))) / "bin" / "perf_analyzer"
-    data = {"data": [{"text_input": ["Describe it."], "stream": [True],
-                      "sampling_parameters": [json.dumps({"max_tokens": 8, "temperature": 0})]}]}
+    data = {
+        "data": [
+            {
+                "text_input": ["Describe it."],
+                "stream": [True],
+                "sampling_parameters": [json.dumps({"max_tokens": 8, "temperature": 0})],
+            }
+        ]
+    }
     (tmp_path / "input.json").write_text(json.dumps(data))
-    command = [str(perf_analyzer), "-m", "mm_ensemble", "-u", server.grpc, "-i", "grpc", "--streaming",
-               "--input-data", str(tmp_path / "input.json"), "--concurrency-range", "2",
-               "--measurement-mode", "count_windows", "--measurement-request-count", "8",
-               "--stability-percentage", "100", "--max-trials", "10"]
+    command = [
+        str(perf_analyzer),
+        "-m",
+        "mm_ensemble",
+        "-u",
+        server.grpc,
+        "-i",
+        "grpc",
+        "--streaming",
+        "--input-data",
+        str(tmp_path / "input.json"),
+        "--concurrency-range",
+        "2",
+        "--measurement-mode",
+        "count_windows",
+        "--measurement-request-count",
+        "8",
+        "--stability-percentage",
+        "100",
+        "--max-trials",
+        "10",
+    ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "Throughput:" in run.stdout

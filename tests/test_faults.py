@@ -44,13 +44,17 @@ def _fault_and_heal(server, references, fault: signal.Signals, detect_within: fl
     from mmserve.client import ClientError
 
     [core] = utils.engine_core_pids(server)
-    in_flight = utils.start_held(server, "mm_ensemble", {f"{fault.name}-{k}": utils.long_generation(stream)
-                                                         for k, stream in enumerate((True, True, False))})
+    in_flight = utils.start_held(
+        server,
+        "mm_ensemble",
+        {f"{fault.name}-{k}": utils.long_generation(stream) for k, stream in enumerate((True, True, False))},
+    )
     started = time.monotonic()
     os.kill(core, fault)
     try:
-        assert wait_for(lambda: all(code != 200 for code in _readiness(server)), detect_within, 0.05), \
+        assert wait_for(lambda: all(code != 200 for code in _readiness(server)), detect_within, 0.05), (
             f"still ready {detect_within} s after {fault.name}: {_readiness(server)}"
+        )
         detected = time.monotonic() - started
         assert all(request.wait(30) for request in in_flight), "a request in flight was never answered"
         _assert_one_final_each(in_flight, "UNAVAILABLE")
@@ -67,8 +71,10 @@ def _fault_and_heal(server, references, fault: signal.Signals, detect_within: fl
     for entry in utils.ENTRIES:
         for name in ("image_audio#0", "text_only#1"):
             case = references[name]
-            assert utils.client(server, entry=entry).generate(case.text, case.images, case.audios,
-                                                               **sampling()).output_ids == case.ids
+            assert (
+                utils.client(server, entry=entry).generate(case.text, case.images, case.audios, **sampling()).output_ids
+                == case.ids
+            )
     timings = {"not_ready_after_s": round(detected, 2), "serving_again_after_s": round(healed, 1)}
     print(f"\n{fault.name} of the engine core: {timings}")
     return timings
@@ -100,30 +106,39 @@ def test_clean_stop_after_faults(own_server):
     import psutil
 
     triton = own_server.server
-    group = [p.pid for p in psutil.Process(triton.pid).children(recursive=True)
-             if p.status() != psutil.STATUS_ZOMBIE] + [triton.pid]
+    group = [
+        p.pid for p in psutil.Process(triton.pid).children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE
+    ] + [triton.pid]
     from mmserve_dev.triton import shm_files_mapped
 
     shm = shm_files_mapped(group) | set(triton.shm_files())
     assert shm, "the server maps no shared memory? (the check below would be empty)"
     # Generations in flight at the stop: the drain ends them UNAVAILABLE after its grace period
     # (they would run for minutes), each with exactly one final response, and the unload follows.
-    in_flight = utils.start_held(own_server, "mm_ensemble", {f"stop-{k}": utils.long_generation(stream, 4000)
-                                                             for k, stream in enumerate((True, True, False))})
+    in_flight = utils.start_held(
+        own_server,
+        "mm_ensemble",
+        {f"stop-{k}": utils.long_generation(stream, 4000) for k, stream in enumerate((True, True, False))},
+    )
     started = time.monotonic()
     code = triton.stop()
     took = time.monotonic() - started
-    print(f"\nstop after the faults, {len(in_flight)} generations in flight: {took:.1f} s, exit code {code}, "
-          f"{triton.stop_timeline}")
+    print(
+        f"\nstop after the faults, {len(in_flight)} generations in flight: {took:.1f} s, exit code {code}, "
+        f"{triton.stop_timeline}"
+    )
     assert all(request.wait(5) for request in in_flight)
     _assert_one_final_each(in_flight, "UNAVAILABLE")
     assert all("stopping" in request.errors[0] for request in in_flight), [r.errors for r in in_flight]
-    assert took < 15, f"the stop took {took:.1f} s (exit code {code}): {triton.stop_timeline}; the server's log:\n" \
-                      + triton.log_tail(150)
+    assert took < 15, (
+        f"the stop took {took:.1f} s (exit code {code}): {triton.stop_timeline}; the server's log:\n"
+        + triton.log_tail(150)
+    )
     assert not [pid for pid in group if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     assert not [path for path in shm if path.exists()]
-    assert code == 0, f"exit code {code} after {took:.1f} s: {triton.stop_timeline}; the server's log:\n" \
-                      + triton.log_tail(150)
+    assert code == 0, (
+        f"exit code {code} after {took:.1f} s: {triton.stop_timeline}; the server's log:\n" + triton.log_tail(150)
+    )
 
 
 @pytest.mark.parametrize("victim", ["tritonserver", "mm_llm stub"])
@@ -139,8 +154,9 @@ def test_engine_dies_with_a_killed_server(tiny_models, victim):
     from mmserve_dev.triton import TritonServer
 
     env = {settings.MODEL.name: str(tiny_models["qwen2_5_omni"]), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with TritonServer(ROOT / "model_repository", env=env, load_models=("mm_llm",),
-                      shm_default_byte_size=32 * 1024 * 1024) as triton:
+    with TritonServer(
+        ROOT / "model_repository", env=env, load_models=("mm_llm",), shm_default_byte_size=32 * 1024 * 1024
+    ) as triton:
         engine, stub = [], None
         for process in psutil.Process(triton.pid).children(recursive=True):
             with contextlib.suppress(psutil.Error):
@@ -149,15 +165,17 @@ def test_engine_dies_with_a_killed_server(tiny_models, victim):
                     engine.append(process)
                 elif any("mm_llm/1/model.py" in part for part in command):
                     stub = process
-        assert stub is not None and any(p.cmdline()[0] == "VLLM::EngineCore" for p in engine), \
-            [p.cmdline()[:1] for p in engine]
+        assert stub is not None and any(p.cmdline()[0] == "VLLM::EngineCore" for p in engine), [
+            p.cmdline()[:1] for p in engine
+        ]
         os.kill(triton.pid if victim == "tritonserver" else stub.pid, signal.SIGKILL)
         started = time.monotonic()
         # the stub too, when tritonserver died (killed itself, it stays a zombie of the server's)
         _, alive = psutil.wait_procs([*engine, stub] if victim == "tritonserver" else engine, timeout=30)
         print(f"\nthe engine's processes gone {time.monotonic() - started:.1f} s after the {victim}'s SIGKILL")
-        assert not [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE], \
+        assert not [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE], (
             f"orphaned: {[(p.pid, p.cmdline()[:1]) for p in alive]}"
+        )
 
 
 @pytest.mark.parametrize("stop", ["SIGINT", "SIGKILL"])
@@ -175,10 +193,19 @@ def test_serve_sh_started_in_the_background_stops_or_dies_whole(tiny_models, sto
 
     http, grpc, metrics, openai = free_ports(4)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "MMSERVE_MODEL": str(tiny_models["qwen2_5_omni"])}
-    command = (f"bash scripts/serve.sh --http-port {http} --grpc-port {grpc} --metrics-port {metrics} "
-               f"--openai-port {openai} & pid=$!; echo $pid; wait $pid")
-    shell = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    command = (
+        f"bash scripts/serve.sh --http-port {http} --grpc-port {grpc} --metrics-port {metrics} "
+        f"--openai-port {openai} & pid=$!; echo $pid; wait $pid"
+    )
+    shell = subprocess.Popen(
+        ["bash", "-c", command],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         launcher = psutil.Process(int(shell.stdout.readline()))
         lines: list[str] = []
@@ -186,8 +213,9 @@ def test_serve_sh_started_in_the_background_stops_or_dies_whole(tiny_models, sto
             line = shell.stdout.readline()
             assert line, "serve.sh ended before it was ready:\n" + "".join(lines)
             lines.append(line)
-        assert int(open(f"/proc/{launcher.pid}/status").read().split("SigIgn:")[1].split()[0], 16) & 0x2 == 0, \
+        assert int(open(f"/proc/{launcher.pid}/status").read().split("SigIgn:")[1].split()[0], 16) & 0x2 == 0, (
             "SIGINT is still ignored"
+        )
         tree = [launcher, *launcher.children(recursive=True)]
         shm = {path for path in utils.shm_leftovers() if path.startswith(f"mmserve_{launcher.pid}_")}
         assert shm and any(p.name() == "tritonserver" for p in tree), [p.name() for p in tree]

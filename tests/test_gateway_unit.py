@@ -55,33 +55,55 @@ def rejected(data: Any, **kwargs: Any) -> errors.APIError:
 
 # -- conversion ----------------------------------------------------------------------------------
 def test_a_conversation_becomes_messages_and_media_in_order():
-    conv = convert_body(body(
-        {"role": "developer", "content": "Be brief."},
-        user({"type": "text", "text": "First"}, image(b"img0"), audio(b"aud0")),
-        {"role": "assistant", "content": [{"type": "text", "text": "A picture."}]},
-        user(audio(b"aud1", "flac"), {"type": "text", "text": "and"}, image(b"img1"), image(b"img2")),
-    ))
+    conv = convert_body(
+        body(
+            {"role": "developer", "content": "Be brief."},
+            user({"type": "text", "text": "First"}, image(b"img0"), audio(b"aud0")),
+            {"role": "assistant", "content": [{"type": "text", "text": "A picture."}]},
+            user(audio(b"aud1", "flac"), {"type": "text", "text": "and"}, image(b"img1"), image(b"img2")),
+        )
+    )
     assert conv.messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "First"}, {"type": "image"}, {"type": "audio"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "A picture."}]},
-        {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "and"}, {"type": "image"},
-                                     {"type": "image"}]},
+        {
+            "role": "user",
+            "content": [{"type": "audio"}, {"type": "text", "text": "and"}, {"type": "image"}, {"type": "image"}],
+        },
     ]
     assert conv.images == [b"img0", b"img1", b"img2"] and conv.audios == [b"aud0", b"aud1"]
 
 
 def test_tensors_use_the_messages_input_and_wire_names():
-    chat = protocol.parse_request(body(user(image(), {"type": "text", "text": "Hi"}), max_tokens=5,
-                                       temperature=0, top_k=1, seed=3, stop="x", stream=True,
-                                       stream_options={"include_usage": True}, logprobs=True, top_logprobs=2))
+    chat = protocol.parse_request(
+        body(
+            user(image(), {"type": "text", "text": "Hi"}),
+            max_tokens=5,
+            temperature=0,
+            top_k=1,
+            seed=3,
+            stop="x",
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=True,
+            top_logprobs=2,
+        )
+    )
     tensors = convert.request_tensors(chat, asyncio.run(convert.conversation(chat)))
     assert set(tensors) <= set(wire.names(wire.PUBLIC_INPUTS)) | {"messages"}
     assert "text_input" not in tensors and tensors["image"].dtype == object and tensors["image"][0] == PNG
-    assert json.loads(tensors["messages"][0]) == [{"role": "user", "content": [{"type": "image"},
-                                                                                {"type": "text", "text": "Hi"}]}]
-    assert json.loads(tensors["sampling_parameters"][0]) == {"max_tokens": 5, "temperature": 0.0, "top_k": 1,
-                                                             "seed": 3, "stop": "x", "logprobs": 2}
+    assert json.loads(tensors["messages"][0]) == [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}
+    ]
+    assert json.loads(tensors["sampling_parameters"][0]) == {
+        "max_tokens": 5,
+        "temperature": 0.0,
+        "top_k": 1,
+        "seed": 3,
+        "stop": "x",
+        "logprobs": 2,
+    }
     assert tensors["stream"][0] and tensors["return_logprobs"][0] and tensors["exclude_input_in_output"][0]
 
 
@@ -93,8 +115,9 @@ def test_messages_is_a_public_input_of_the_tree():
 def test_sampling_defaults_and_aliases():
     params = convert.sampling_parameters(protocol.parse_request(body(user("Hi"))))
     assert params == {"max_tokens": convert.MAX_TOKENS_UNSET}  # OpenAI: up to the context length
-    params = convert.sampling_parameters(protocol.parse_request(body(user("Hi"), max_completion_tokens=7,
-                                                                     logprobs=True)))
+    params = convert.sampling_parameters(
+        protocol.parse_request(body(user("Hi"), max_completion_tokens=7, logprobs=True))
+    )
     assert params == {"max_tokens": 7, "logprobs": 0}
 
 
@@ -103,14 +126,16 @@ def test_media_sources():
     with pytest.raises(errors.APIError, match="p: a data URL must be base64-encoded"):  # as vllm serve
         convert.data_url_bytes("data:,a%20b", "p")
     wrapped = b64(PNG)
-    wrapped = "\n".join(wrapped[i:i + 76] for i in range(0, len(wrapped), 76))  # MIME-style lines
+    wrapped = "\n".join(wrapped[i : i + 76] for i in range(0, len(wrapped), 76))  # MIME-style lines
     assert convert.b64decode(wrapped, "p", "x") == PNG
     for bad in ("QUJD!", "QUJ", "QUJDé", "QU JD="):  # stray symbol, short, non-ASCII, padding inside
         with pytest.raises(errors.APIError, match="p: x is not valid base64"):
             convert.b64decode(bad, "p", "x")
     assert convert_body(body(user(audio()))).audios == [WAV]
-    data_url_audio = {"type": "input_audio", "input_audio": {"data": "data:audio/wav;base64," + b64(WAV),
-                                                             "format": "wav"}}
+    data_url_audio = {
+        "type": "input_audio",
+        "input_audio": {"data": "data:audio/wav;base64," + b64(WAV), "format": "wav"},
+    }
     assert convert_body(body(user(data_url_audio))).audios == [WAV]
 
     async def fetch(url: str, param: str) -> bytes:
@@ -120,18 +145,36 @@ def test_media_sources():
     assert convert_body(body(user(image(b"x"), remote)), fetch=fetch).images == [b"x", b"https://example.com/a.png"]
 
 
-@pytest.mark.parametrize(("data", "param", "code"), [
-    (body(user({"type": "image_url", "image_url": {"url": "data:image/png;base64,!!notbase64"}})),
-     "messages[0].content[0].image_url.url", "invalid_value"),
-    (body(user({"type": "input_audio", "input_audio": {"data": "abc", "format": "wav"}})),
-     "messages[0].content[0].input_audio.data", "invalid_value"),
-    (body(user({"type": "image_url", "image_url": {"url": "http://example.com/a.png"}})),
-     "messages[0].content[0].image_url.url", "remote_media_disabled"),
-    (body(user({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}})),
-     "messages[0].content[0].image_url.url", "invalid_value"),
-    (body(user({"type": "image_url", "image_url": {"url": "data:image/png;base64"}})),
-     "messages[0].content[0].image_url.url", "invalid_value"),
-])
+@pytest.mark.parametrize(
+    ("data", "param", "code"),
+    [
+        (
+            body(user({"type": "image_url", "image_url": {"url": "data:image/png;base64,!!notbase64"}})),
+            "messages[0].content[0].image_url.url",
+            "invalid_value",
+        ),
+        (
+            body(user({"type": "input_audio", "input_audio": {"data": "abc", "format": "wav"}})),
+            "messages[0].content[0].input_audio.data",
+            "invalid_value",
+        ),
+        (
+            body(user({"type": "image_url", "image_url": {"url": "http://example.com/a.png"}})),
+            "messages[0].content[0].image_url.url",
+            "remote_media_disabled",
+        ),
+        (
+            body(user({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}})),
+            "messages[0].content[0].image_url.url",
+            "invalid_value",
+        ),
+        (
+            body(user({"type": "image_url", "image_url": {"url": "data:image/png;base64"}})),
+            "messages[0].content[0].image_url.url",
+            "invalid_value",
+        ),
+    ],
+)
 def test_bad_media_is_refused_naming_the_part(data, param, code):
     error = rejected(data)
     assert (error.param, error.code) == (param, code)
@@ -143,24 +186,36 @@ def test_media_size_limit():
     assert error.code == "media_too_large" and error.param == "messages[0].content[0].image_url.url"
 
 
-@pytest.mark.parametrize(("data", "param", "code", "says"), [
-    (body(user("Hi"), n=2), "n", "unsupported", "only 1"),
-    (body(user("Hi"), tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "unsupported", "tool"),
-    (body(user("Hi"), response_format={"type": "json_object"}), "response_format", "unsupported", "structured"),
-    (body(user("Hi"), frobnicate=1), "frobnicate", "unknown_field", "unknown field"),
-    (body(user({"type": "video_url", "video_url": {"url": "x"}})), "messages[0].content[0]", None, "video_url"),
-    (body(user({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "aac"}})),
-     "messages[0].content[0].input_audio.format", None, "'wav'"),
-    (body({"role": "tool", "content": "x", "tool_call_id": "1"}), "messages[0]", None, "tool"),
-    (body({"role": "system", "content": [image()]}), "messages[0].content[0].type", None, "text"),
-    (body(user("Hi"), top_logprobs=2), "top_logprobs", "invalid_value", "logprobs"),
-    (body(user("Hi"), max_tokens=3, max_completion_tokens=4), "max_completion_tokens", "invalid_value", "differ"),
-    (body(user("Hi"), stream_options={"include_usage": True}), "stream_options", "invalid_value", "stream"),
-    ({"model": "m", "messages": []}, "messages", None, "at least 1"),
-    ({"messages": [user("Hi")]}, "model", "missing_field", "required"),
-    (body(user({"type": "text", "text": "a", "extra": 1})), "messages[0].content[0].extra", "unknown_field", "unknown"),
-    ([1, 2], None, "invalid_json", "JSON object"),
-])
+@pytest.mark.parametrize(
+    ("data", "param", "code", "says"),
+    [
+        (body(user("Hi"), n=2), "n", "unsupported", "only 1"),
+        (body(user("Hi"), tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "unsupported", "tool"),
+        (body(user("Hi"), response_format={"type": "json_object"}), "response_format", "unsupported", "structured"),
+        (body(user("Hi"), frobnicate=1), "frobnicate", "unknown_field", "unknown field"),
+        (body(user({"type": "video_url", "video_url": {"url": "x"}})), "messages[0].content[0]", None, "video_url"),
+        (
+            body(user({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "aac"}})),
+            "messages[0].content[0].input_audio.format",
+            None,
+            "'wav'",
+        ),
+        (body({"role": "tool", "content": "x", "tool_call_id": "1"}), "messages[0]", None, "tool"),
+        (body({"role": "system", "content": [image()]}), "messages[0].content[0].type", None, "text"),
+        (body(user("Hi"), top_logprobs=2), "top_logprobs", "invalid_value", "logprobs"),
+        (body(user("Hi"), max_tokens=3, max_completion_tokens=4), "max_completion_tokens", "invalid_value", "differ"),
+        (body(user("Hi"), stream_options={"include_usage": True}), "stream_options", "invalid_value", "stream"),
+        ({"model": "m", "messages": []}, "messages", None, "at least 1"),
+        ({"messages": [user("Hi")]}, "model", "missing_field", "required"),
+        (
+            body(user({"type": "text", "text": "a", "extra": 1})),
+            "messages[0].content[0].extra",
+            "unknown_field",
+            "unknown",
+        ),
+        ([1, 2], None, "invalid_json", "JSON object"),
+    ],
+)
 def test_bad_requests_are_refused_clearly(data, param, code, says):
     with pytest.raises(errors.APIError) as info:
         protocol.parse_request(data)
@@ -171,39 +226,70 @@ def test_bad_requests_are_refused_clearly(data, param, code, says):
 
 
 def test_harmless_fields_are_accepted():
-    protocol.parse_request(body(user("Hi"), user="u1", metadata={"k": "v"}, store=False, tool_choice="none",
-                                response_format={"type": "text"}, modalities=["text"], parallel_tool_calls=True,
-                                stream=True, stream_options={"include_usage": True, "include_obfuscation": False}))
+    protocol.parse_request(
+        body(
+            user("Hi"),
+            user="u1",
+            metadata={"k": "v"},
+            store=False,
+            tool_choice="none",
+            response_format={"type": "text"},
+            modalities=["text"],
+            parallel_tool_calls=True,
+            stream=True,
+            stream_options={"include_usage": True, "include_obfuscation": False},
+        )
+    )
 
 
 # -- logprobs ------------------------------------------------------------------------------------
 def test_logprobs_map_to_openai_entries():
-    steps = [{"5": {"logprob": -0.1, "rank": 1, "decoded_token": "Hi"},
-              "7": {"logprob": -2.5, "rank": 2, "decoded_token": " there"},
-              "9": {"logprob": -3.0, "rank": 3, "decoded_token": "!"}},
-             {"7": {"logprob": -1.5, "rank": 4, "decoded_token": "é"},  # sampled, outside the top 2
-              "1": {"logprob": -0.2, "rank": 1, "decoded_token": "a"},
-              "2": {"logprob": -0.9, "rank": 2, "decoded_token": "b"}}]
+    steps = [
+        {
+            "5": {"logprob": -0.1, "rank": 1, "decoded_token": "Hi"},
+            "7": {"logprob": -2.5, "rank": 2, "decoded_token": " there"},
+            "9": {"logprob": -3.0, "rank": 3, "decoded_token": "!"},
+        },
+        {
+            "7": {"logprob": -1.5, "rank": 4, "decoded_token": "é"},  # sampled, outside the top 2
+            "1": {"logprob": -0.2, "rank": 1, "decoded_token": "a"},
+            "2": {"logprob": -0.9, "rank": 2, "decoded_token": "b"},
+        },
+    ]
     content = convert.openai_logprobs(steps, [5, 7], top_logprobs=2)
-    assert content[0] == {"token": "Hi", "logprob": -0.1, "bytes": [72, 105], "top_logprobs": [
-        {"token": "Hi", "logprob": -0.1, "bytes": [72, 105]},
-        {"token": " there", "logprob": -2.5, "bytes": list(b" there")}]}
+    assert content[0] == {
+        "token": "Hi",
+        "logprob": -0.1,
+        "bytes": [72, 105],
+        "top_logprobs": [
+            {"token": "Hi", "logprob": -0.1, "bytes": [72, 105]},
+            {"token": " there", "logprob": -2.5, "bytes": list(b" there")},
+        ],
+    }
     assert content[1]["token"] == "é" and content[1]["bytes"] == [0xC3, 0xA9]
     assert [t["token"] for t in content[1]["top_logprobs"]] == ["a", "b"]
-    assert convert.openai_logprobs([{"5": {"logprob": -0.1, "rank": 1, "decoded_token": "x"}}], [5], 0)[0][
-        "top_logprobs"] == []
+    assert (
+        convert.openai_logprobs([{"5": {"logprob": -0.1, "rank": 1, "decoded_token": "x"}}], [5], 0)[0]["top_logprobs"]
+        == []
+    )
 
 
 # -- error mapping -------------------------------------------------------------------------------
-@pytest.mark.parametrize(("message", "status", "type_"), [
-    ("[INVALID_ARG] image[0]: not an image", 400, "invalid_request_error"),
-    ("in ensemble 'mm_ensemble', [INVALID_ARG] messages: 2 image parts but 1 image given", 400,
-     "invalid_request_error"),
-    ("[UNAVAILABLE] the engine failed; retry", 503, "service_unavailable"),
-    ("Request for unknown model: 'mm_llm' is not found", 503, "service_unavailable"),
-    ("[INTERNAL] internal error (incident abc); the server log has the detail", 500, "server_error"),
-    ("something odd at /opt/tritonserver/x.py", 500, "server_error"),
-])
+@pytest.mark.parametrize(
+    ("message", "status", "type_"),
+    [
+        ("[INVALID_ARG] image[0]: not an image", 400, "invalid_request_error"),
+        (
+            "in ensemble 'mm_ensemble', [INVALID_ARG] messages: 2 image parts but 1 image given",
+            400,
+            "invalid_request_error",
+        ),
+        ("[UNAVAILABLE] the engine failed; retry", 503, "service_unavailable"),
+        ("Request for unknown model: 'mm_llm' is not found", 503, "service_unavailable"),
+        ("[INTERNAL] internal error (incident abc); the server log has the detail", 500, "server_error"),
+        ("something odd at /opt/tritonserver/x.py", 500, "server_error"),
+    ],
+)
 def test_triton_errors_map_to_http_statuses(message, status, type_):
     error = errors.from_triton(message)
     assert (error.status, error.type) == (status, type_)
@@ -221,10 +307,14 @@ def test_grpc_failures_map_to_503_without_internals():
 
 
 def test_delta_from_an_infer_result():
-    outputs = {"text_output": np.array([b"Hi"], dtype=object), "output_ids": np.array([1, 2], dtype=np.int64),
-               "finish_reason": np.array([b""], dtype=object), "num_input_tokens": np.array([9], dtype=np.uint32),
-               "num_output_tokens": np.array([2], dtype=np.uint32),
-               "logprobs": np.array([b'[{"1": {"logprob": -1.0, "rank": 1, "decoded_token": "H"}}]'], dtype=object)}
+    outputs = {
+        "text_output": np.array([b"Hi"], dtype=object),
+        "output_ids": np.array([1, 2], dtype=np.int64),
+        "finish_reason": np.array([b""], dtype=object),
+        "num_input_tokens": np.array([9], dtype=np.uint32),
+        "num_output_tokens": np.array([2], dtype=np.uint32),
+        "logprobs": np.array([b'[{"1": {"logprob": -1.0, "rank": 1, "decoded_token": "H"}}]'], dtype=object),
+    }
 
     class Result:
         def as_numpy(self, name):
@@ -243,22 +333,34 @@ def _grpc_result(outputs: dict[str, tuple[str, np.ndarray]]) -> Any:
     for name, (datatype, array) in outputs.items():
         response.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
         response.raw_output_contents.append(
-            serialize_byte_tensor(array).item() if datatype == "BYTES" and array.size else array.tobytes())
+            serialize_byte_tensor(array).item() if datatype == "BYTES" and array.size else array.tobytes()
+        )
     return InferResult(response)
 
 
-@pytest.mark.parametrize("outputs", [
-    {"text_output": ("BYTES", np.array(["é x".encode()], dtype=object)),
-     "output_ids": ("INT64", np.array([5, 6, 7], dtype=np.int64)),
-     "finish_reason": ("BYTES", np.array([b"length"], dtype=object)),
-     "logprobs": ("BYTES", np.array([b'[{"5": {"logprob": -0.5, "rank": 1, "decoded_token": "x"}}]'], dtype=object)),
-     "num_input_tokens": ("UINT32", np.array([41], dtype=np.uint32)),
-     "num_output_tokens": ("UINT32", np.array([3], dtype=np.uint32))},
-    {"text_output": ("BYTES", np.array([b""], dtype=object)), "output_ids": ("INT64", np.array([9], dtype=np.int64)),
-     "finish_reason": ("BYTES", np.array([b""], dtype=object)),
-     "num_output_tokens": ("UINT32", np.array([1], dtype=np.uint32))},
-    {"text_output": ("BYTES", np.array([], dtype=object)), "output_ids": ("INT64", np.array([], dtype=np.int64))},
-])
+@pytest.mark.parametrize(
+    "outputs",
+    [
+        {
+            "text_output": ("BYTES", np.array(["é x".encode()], dtype=object)),
+            "output_ids": ("INT64", np.array([5, 6, 7], dtype=np.int64)),
+            "finish_reason": ("BYTES", np.array([b"length"], dtype=object)),
+            "logprobs": (
+                "BYTES",
+                np.array([b'[{"5": {"logprob": -0.5, "rank": 1, "decoded_token": "x"}}]'], dtype=object),
+            ),
+            "num_input_tokens": ("UINT32", np.array([41], dtype=np.uint32)),
+            "num_output_tokens": ("UINT32", np.array([3], dtype=np.uint32)),
+        },
+        {
+            "text_output": ("BYTES", np.array([b""], dtype=object)),
+            "output_ids": ("INT64", np.array([9], dtype=np.int64)),
+            "finish_reason": ("BYTES", np.array([b""], dtype=object)),
+            "num_output_tokens": ("UINT32", np.array([1], dtype=np.uint32)),
+        },
+        {"text_output": ("BYTES", np.array([], dtype=object)), "output_ids": ("INT64", np.array([], dtype=np.int64))},
+    ],
+)
 def test_delta_from_a_grpc_response_reads_what_tritonclient_decodes(outputs):
     """The one-pass reading of the gRPC message gives what tritonclient's ``as_numpy`` decoding
     gives (the reference), for a full response, a token with no text yet, and an empty one."""
@@ -331,7 +433,7 @@ def test_a_streamed_tokens_event_is_the_chunk_serialized(usage):
 
     fields = {"stream": True, "stream_options": {"include_usage": True}} if usage else {"stream": True}
     answer = _Answer(protocol.parse_request(body(user("Hi"), **fields)), "chatcmpl-1", "mm")
-    for text in (" hello", "", 'quote " and \\ backslash', "line\nbreak", "é ü 漢字 🙂", "{\"content\": \"\"}"):
+    for text in (" hello", "", 'quote " and \\ backslash', "line\nbreak", "é ü 漢字 🙂", '{"content": ""}'):
         assert answer.content_event(text) == _sse(answer.chunk({"content": text})), text
 
 
@@ -339,8 +441,12 @@ def test_a_streamed_tokens_event_is_the_chunk_serialized(usage):
 class FakeBackend:
     """Answers every request with ``deltas`` (or raises ``error`` at once); records what it got."""
 
-    def __init__(self, deltas: list[Delta] | None = None, error: errors.APIError | None = None,
-                 ready: errors.APIError | None = None) -> None:
+    def __init__(
+        self,
+        deltas: list[Delta] | None = None,
+        error: errors.APIError | None = None,
+        ready: errors.APIError | None = None,
+    ) -> None:
         self.deltas, self.error, self.ready_error = deltas or [], error, ready
         self.requests: list[dict[str, np.ndarray]] = []
         self.closed = 0
@@ -364,8 +470,11 @@ class FakeBackend:
             self.closed += 1
 
 
-STREAM = [Delta("Hel", [1], None, 20, 1, None), Delta("lo", [2], None, 20, 1, None),
-          Delta("!", [3], "length", 20, 1, None)]
+STREAM = [
+    Delta("Hel", [1], None, 20, 1, None),
+    Delta("lo", [2], None, 20, 1, None),
+    Delta("!", [3], "length", 20, 1, None),
+]
 
 
 @pytest.fixture
@@ -399,8 +508,11 @@ def test_sdk_non_streamed_and_streamed(gateway):
     assert not backend.requests[0]["stream"][0]
 
     backend.deltas = STREAM
-    chunks = list(client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")], stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="mm_ensemble", messages=[user("Hi")], stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello!"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
@@ -493,12 +605,17 @@ def test_return_token_ids_as_vllm_serve_gives_them(gateway):
     body = {"model": "mm_ensemble", "messages": [user("Hi")], "return_token_ids": True}
     reply = client.post("/v1/chat/completions", json=body).json()
     assert reply["choices"][0]["token_ids"] == [1, 2, 3]
-    assert "token_ids" not in client.post("/v1/chat/completions", json={**body, "return_token_ids": False}
-                                          ).json()["choices"][0]
+    assert (
+        "token_ids"
+        not in client.post("/v1/chat/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
+    )
 
     backend.deltas = STREAM
-    events = [line[len("data: "):] for line in client.post("/v1/chat/completions", json={**body, "stream": True}
-                                                            ).text.splitlines() if line.startswith("data: ")]
+    events = [
+        line[len("data: ") :]
+        for line in client.post("/v1/chat/completions", json={**body, "stream": True}).text.splitlines()
+        if line.startswith("data: ")
+    ]
     chunks = [json.loads(event) for event in events if event != "[DONE]"]
     assert [i for c in chunks for i in c["choices"][0].get("token_ids", [])] == [1, 2, 3]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "Hello!"

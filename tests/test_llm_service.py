@@ -23,8 +23,13 @@ pytestmark = pytest.mark.engine
 class RecordingSink:
     """A ResponseSink that records; cancelled after ``cancel_after`` responses or seconds."""
 
-    def __init__(self, *, cancel_after_responses: int | None = None, cancel_after_s: float | None = None,
-                 send_delay_s: float = 0.0):
+    def __init__(
+        self,
+        *,
+        cancel_after_responses: int | None = None,
+        cancel_after_s: float | None = None,
+        send_delay_s: float = 0.0,
+    ):
         self.send_delay_s = send_delay_s  # a slow Triton: responses queue up behind each send
         self.responses: list[dict[str, np.ndarray]] = []
         self.sent_at: list[float] = []  # time.monotonic() of each response
@@ -92,8 +97,9 @@ def service(tiny_models):
         yield LLMService(runner)
 
 
-def _request(service, request, *, stream: bool, max_tokens: int, ignore_eos: bool = False,
-             sampling: dict | None = None, **flags):
+def _request(
+    service, request, *, stream: bool, max_tokens: int, ignore_eos: bool = False, sampling: dict | None = None, **flags
+):
     from mmserve.serving.llm import parse_request
 
     tensors = {name: np.asarray(value) for name, value in request.hf_inputs.items()}
@@ -114,8 +120,20 @@ def _run(service, parsed, sink, request_id):
 def test_streamed_deltas_are_the_reference_tokens(service, omni_workload):
     request, reference = next((r, t) for r, t in omni_workload if r.name == "image_audio#2")
     sink = RecordingSink()
-    _run(service, _request(service, request, stream=True, max_tokens=len(reference), sampling={"stream_flush_ms": 0},
-                           return_finish_reason=True, return_num_output_tokens=True), sink, "stream-1")
+    _run(
+        service,
+        _request(
+            service,
+            request,
+            stream=True,
+            max_tokens=len(reference),
+            sampling={"stream_flush_ms": 0},
+            return_finish_reason=True,
+            return_num_output_tokens=True,
+        ),
+        sink,
+        "stream-1",
+    )
     assert sink.output_ids() == reference
     assert len(sink.responses) > 1 and not sink.errors
     assert sink.responses[-1]["finish_reason"][0] in (b"length", b"stop")
@@ -130,9 +148,20 @@ def test_deltas_queued_behind_a_slow_sender_go_out_merged(service, omni_workload
     request, reference = next((r, t) for r, t in omni_workload if r.name == "image_audio#2")
     fast, slow = RecordingSink(), RecordingSink(send_delay_s=0.05)
     for sink, request_id in ((fast, "merge-fast"), (slow, "merge-slow")):
-        _run(service, _request(service, request, stream=True, max_tokens=len(reference),
-                               sampling={"stream_flush_ms": 0},
-                               return_num_output_tokens=True, return_finish_reason=True), sink, request_id)
+        _run(
+            service,
+            _request(
+                service,
+                request,
+                stream=True,
+                max_tokens=len(reference),
+                sampling={"stream_flush_ms": 0},
+                return_num_output_tokens=True,
+                return_finish_reason=True,
+            ),
+            sink,
+            request_id,
+        )
     assert fast.output_ids() == slow.output_ids() == reference
     assert len(slow.responses) < len(fast.responses)
     for sink in (fast, slow):
@@ -151,9 +180,21 @@ def test_a_stream_gets_at_most_one_response_per_flush_interval(service, omni_wor
     tokens = 4 * len(reference)
     every, held = RecordingSink(), RecordingSink()
     for sink, flush, request_id in ((every, 0, "flush-0"), (held, flush_ms, f"flush-{flush_ms}")):
-        _run(service, _request(service, request, stream=True, max_tokens=tokens, ignore_eos=True,
-                               sampling={"stream_flush_ms": flush}, return_num_output_tokens=True), sink, request_id)
-    assert every.output_ids() == held.output_ids() and every.output_ids()[:len(reference)] == reference
+        _run(
+            service,
+            _request(
+                service,
+                request,
+                stream=True,
+                max_tokens=tokens,
+                ignore_eos=True,
+                sampling={"stream_flush_ms": flush},
+                return_num_output_tokens=True,
+            ),
+            sink,
+            request_id,
+        )
+    assert every.output_ids() == held.output_ids() and every.output_ids()[: len(reference)] == reference
     # Not held: a response per engine output, one token each unless vLLM's output collector merged
     # outputs the loop had not taken yet (it does on a busy machine).
     counts = [int(r["num_output_tokens"][0]) for r in every.responses]
@@ -173,8 +214,12 @@ def test_cancelled_request_is_aborted_on_the_engine(service, omni_workload, stre
     sink = RecordingSink(cancel_after_responses=3) if stream else RecordingSink(cancel_after_s=0.5)
     before = GeneratedTokens.total
     max_tokens = ENGINE_ARGS["max_model_len"] - 100  # runs to this length unless aborted
-    _run(service, _request(service, request, stream=stream, max_tokens=max_tokens, ignore_eos=True), sink,
-         f"cancel-{stream}")
+    _run(
+        service,
+        _request(service, request, stream=stream, max_tokens=max_tokens, ignore_eos=True),
+        sink,
+        f"cancel-{stream}",
+    )
     assert [error.triton_code for error in sink.errors] == ["CANCELLED"] and not sink.closed_empty
     deadline = time.monotonic() + 120
     while service.runner.engine.get_num_unfinished_requests() and time.monotonic() < deadline:

@@ -50,8 +50,16 @@ def _calls(name: str) -> list[tuple[str, float]]:
     return _Family.created[name].calls
 
 
-STEP = StepStats(running=3, waiting=1, prompt_tokens=10, generation_tokens=3, ttfts=(0.02,),
-                 inter_token_latencies=(0.004, 0.005), e2e_latencies=(0.3,), request_tpots=(0.0045,))
+STEP = StepStats(
+    running=3,
+    waiting=1,
+    prompt_tokens=10,
+    generation_tokens=3,
+    ttfts=(0.02,),
+    inter_token_latencies=(0.004, 0.005),
+    e2e_latencies=(0.3,),
+    request_tpots=(0.0045,),
+)
 
 
 def test_a_step_updates_each_metric_once_and_the_per_token_histogram_is_opt_in():
@@ -74,10 +82,18 @@ def test_steps_posted_while_an_update_runs_go_out_merged():
     gate = threading.Event()
     metrics = TritonMetrics(_pb_utils(gate), {"model": "mm_llm", "version": "1"}, inter_token_latency=True)
     metrics.post(STEP)  # its update starts and waits at the gate (a slow tritonserver)
-    later = [StepStats(running=5, waiting=0, generation_tokens=5, inter_token_latencies=(0.006,)),
-             StepStats(generation_tokens=2, ttfts=(0.05,)),  # no scheduler stats: the gauges stay
-             StepStats(running=4, waiting=2, prompt_tokens=7, generation_tokens=4, e2e_latencies=(0.4, 0.5),
-                       request_tpots=(0.01, 0.02))]
+    later = [
+        StepStats(running=5, waiting=0, generation_tokens=5, inter_token_latencies=(0.006,)),
+        StepStats(generation_tokens=2, ttfts=(0.05,)),  # no scheduler stats: the gauges stay
+        StepStats(
+            running=4,
+            waiting=2,
+            prompt_tokens=7,
+            generation_tokens=4,
+            e2e_latencies=(0.4, 0.5),
+            request_tpots=(0.01, 0.02),
+        ),
+    ]
     for step in later:
         metrics.post(step)
     gate.set()

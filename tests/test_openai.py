@@ -50,8 +50,23 @@ class Gateway:
         self.log = log
         with log.open("wb") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "mmserve.gateway", "--triton-url", triton_url, "--host", "127.0.0.1",
-                 "--port", str(self.port), "--log-level", "warning"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "mmserve.gateway",
+                    "--triton-url",
+                    triton_url,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--log-level",
+                    "warning",
+                ],
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.time() + 60
         while True:
             try:
@@ -104,8 +119,10 @@ def audio_part(data: bytes, fmt: str = "wav") -> dict:
 def user_turn(case) -> dict:
     """The case's request as one user message: its images, then its clips, then its text (the order
     of mm_ensemble's ``text_input`` template and of the references)."""
-    return {"role": "user", "content": [*map(image_part, case.images), *map(audio_part, case.audios),
-                                        {"type": "text", "text": case.text}]}
+    return {
+        "role": "user",
+        "content": [*map(image_part, case.images), *map(audio_part, case.audios), {"type": "text", "text": case.text}],
+    }
 
 
 # -- outputs --------------------------------------------------------------------------------------
@@ -130,8 +147,10 @@ def test_multi_turn_conversation_with_an_image_in_an_earlier_turn(server, refere
     image, clip = references["image#2"].images[0], references["audio#3"].audios[0]
     messages = [
         {"role": "system", "content": "You are a careful assistant."},
-        {"role": "user", "content": [{"type": "text", "text": "Look:"}, image_part(image),
-                                     {"type": "text", "text": "What is it?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Look:"}, image_part(image), {"type": "text", "text": "What is it?"}],
+        },
         {"role": "assistant", "content": "A small picture."},
         {"role": "user", "content": [audio_part(clip), {"type": "text", "text": "And this sound?"}]},
     ]
@@ -139,13 +158,16 @@ def test_multi_turn_conversation_with_an_image_in_an_earlier_turn(server, refere
 
     hf_messages = [
         {"role": "system", "content": "You are a careful assistant."},
-        {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image"},
-                                     {"type": "text", "text": "What is it?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Look:"}, {"type": "image"}, {"type": "text", "text": "What is it?"}],
+        },
         {"role": "assistant", "content": "A small picture."},
         {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "And this sound?"}]},
     ]
     prompt = load_processor(tiny_models["qwen2_5_omni"]).apply_chat_template(
-        hf_messages, add_generation_prompt=True, tokenize=False)
+        hf_messages, add_generation_prompt=True, tokenize=False
+    )
     triton = triton_client(server).generate(prompt, [image], [clip], apply_chat_template=False, **_sampling())
     assert reply.choices[0].message.content == triton.text
     assert reply.usage.prompt_tokens == triton.num_input_tokens
@@ -157,8 +179,15 @@ def test_multi_turn_conversation_with_an_image_in_an_earlier_turn(server, refere
 def test_stream_chunks_concatenate_to_the_full_text(references, sdk):
     case = references["image_audio#2"]
     full = sdk.chat.completions.create(model="mm_ensemble", messages=[user_turn(case)], **GREEDY)
-    chunks = list(sdk.chat.completions.create(model="mm_ensemble", messages=[user_turn(case)], stream=True,
-                                              stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        sdk.chat.completions.create(
+            model="mm_ensemble",
+            messages=[user_turn(case)],
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(deltas) > 1
     assert "".join(deltas) == full.choices[0].message.content == case.output
@@ -170,8 +199,9 @@ def test_stream_chunks_concatenate_to_the_full_text(references, sdk):
 
 def test_logprobs_stop_and_seed(references, sdk):
     case = references["text_only#1"]
-    reply = sdk.chat.completions.create(model="mm_ensemble", messages=[user_turn(case)], logprobs=True,
-                                        top_logprobs=2, **GREEDY)
+    reply = sdk.chat.completions.create(
+        model="mm_ensemble", messages=[user_turn(case)], logprobs=True, top_logprobs=2, **GREEDY
+    )
     content = reply.choices[0].logprobs.content
     assert len(content) == MAX_TOKENS
     for entry in content:  # greedy: the sampled token is the most likely one
@@ -180,14 +210,20 @@ def test_logprobs_stop_and_seed(references, sdk):
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
 
     text = case.output  # stop at a string of the greedy output: the text before it, finish "stop"
-    at = next(k for k in range(2, len(text) - 2) if text.find(text[k:k + 2]) == k and text[k:k + 2].strip())
-    stopped = sdk.chat.completions.create(model="mm_ensemble", messages=[user_turn(case)], stop=[text[at:at + 2]],
-                                          **GREEDY)
+    at = next(k for k in range(2, len(text) - 2) if text.find(text[k : k + 2]) == k and text[k : k + 2].strip())
+    stopped = sdk.chat.completions.create(
+        model="mm_ensemble", messages=[user_turn(case)], stop=[text[at : at + 2]], **GREEDY
+    )
     assert stopped.choices[0].message.content == text[:at] and stopped.choices[0].finish_reason == "stop"
 
-    sampled = [sdk.chat.completions.create(model="mm_ensemble", messages=[user_turn(case)], temperature=1.0,
-                                           top_p=0.9, seed=7, max_tokens=MAX_TOKENS).choices[0].message.content
-               for _ in range(2)]
+    sampled = [
+        sdk.chat.completions.create(
+            model="mm_ensemble", messages=[user_turn(case)], temperature=1.0, top_p=0.9, seed=7, max_tokens=MAX_TOKENS
+        )
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    ]
     assert sampled[0] == sampled[1]
 
 
@@ -202,20 +238,48 @@ def _bad_requests(references) -> dict[str, dict]:
     image = references["image#0"].images[0]
     text = {"type": "text", "text": "Describe."}
     return {
-        "bad base64": {"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@not base64@@"}}, text]}]},
-        "unsupported audio format": {"messages": [{"role": "user", "content": [
-            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "aac"}}, text]}]},
+        "bad base64": {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@not base64@@"}},
+                        text,
+                    ],
+                }
+            ]
+        },
+        "unsupported audio format": {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "aac"}}, text],
+                }
+            ]
+        },
         "n=2": {"messages": [{"role": "user", "content": "Hi"}], "n": 2},
-        "unknown part type": {"messages": [{"role": "user", "content": [
-            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, text]}]},
-        "http URL disabled": {"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/picture.png"}}, text]}]},
+        "unknown part type": {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, text],
+                }
+            ]
+        },
+        "http URL disabled": {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/picture.png"}}, text],
+                }
+            ]
+        },
         "too many images (Triton)": {"messages": [{"role": "user", "content": [*[image_part(image)] * 5, text]}]},
         "not an image (Triton)": {"messages": [{"role": "user", "content": [image_part(b"not an image"), text]}]},
         "bad temperature (engine)": {"messages": [{"role": "user", "content": "Hi"}], "temperature": -1},
-        "ends with the assistant (Triton)": {"messages": [{"role": "user", "content": "Hi"},
-                                                          {"role": "assistant", "content": "Hello"}]},
+        "ends with the assistant (Triton)": {
+            "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        },
     }
 
 
@@ -224,8 +288,11 @@ def test_bad_inputs_give_openai_shaped_400s(gateway, references, stream):
     import requests
 
     for name, request in _bad_requests(references).items():
-        reply = requests.post(f"{gateway.url}/v1/chat/completions", timeout=120,
-                              json={"model": "mm_ensemble", "max_tokens": 4, "stream": stream, **request})
+        reply = requests.post(
+            f"{gateway.url}/v1/chat/completions",
+            timeout=120,
+            json={"model": "mm_ensemble", "max_tokens": 4, "stream": stream, **request},
+        )
         assert reply.status_code == 400, (name, reply.status_code, reply.text)
         error = reply.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
@@ -285,9 +352,15 @@ def test_a_client_disconnect_aborts_the_engine_request(server, gateway):
     sdk = gateway.sdk()
 
     def start() -> _Disconnecting:
-        return _Disconnecting(sdk.chat.completions.create(
-            model="mm_ensemble", messages=[{"role": "user", "content": "Count."}], stream=True, max_tokens=3000,
-            extra_body={"ignore_eos": True}))
+        return _Disconnecting(
+            sdk.chat.completions.create(
+                model="mm_ensemble",
+                messages=[{"role": "user", "content": "Count."}],
+                stream=True,
+                max_tokens=3000,
+                extra_body={"ignore_eos": True},
+            )
+        )
 
     tries = generated_after_cancel(server, start, max_tokens=3000)
     print(f"\ngateway stream: (tokens when disconnected, in all) per try: {tries}")

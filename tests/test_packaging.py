@@ -27,8 +27,22 @@ def _wheel(files: list[Path], base: Path, tmp: Path) -> dict[str, bytes]:
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, target)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp / "dist"), str(source)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp / "dist"),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = (tmp / "dist").glob("*.whl")
     with zipfile.ZipFile(wheel) as zf:
         return {name: zf.read(name) for name in zf.namelist()}
@@ -48,8 +62,14 @@ def test_the_runtime_wheel_holds_mmserve_only(runtime_wheel):
     assert _packages(runtime_wheel) == {"mmserve"}
     stems = {Path(name).stem for name in runtime_wheel if name.endswith(".py")}
     assert not stems & {"triton_server", "tiny_models", "hf_reference", "samples", "benchmarking", "numpy2_compat"}
-    for module in ("mmserve/passthrough/processor.py", "mmserve/serving/llm.py", "mmserve/serving/preprocess/processor.py",
-                   "mmserve/client.py", "mmserve/vllm_seam.py", "mmserve/settings.py"):
+    for module in (
+        "mmserve/passthrough/processor.py",
+        "mmserve/serving/llm.py",
+        "mmserve/serving/preprocess/processor.py",
+        "mmserve/client.py",
+        "mmserve/vllm_seam.py",
+        "mmserve/settings.py",
+    ):
         assert module in runtime_wheel, module
     entry_points = next(text for name, text in runtime_wheel.items() if name.endswith(".dist-info/entry_points.txt"))
     assert b"[vllm.general_plugins]\nmmserve = mmserve.passthrough:register" in entry_points
@@ -67,18 +87,23 @@ def test_the_runtime_imports_no_tooling():
     offenders = []
     for path in (ROOT / "src" / "mmserve").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             offenders += [f"{path.relative_to(ROOT)}: {name}" for name in names if name.split(".")[0] == "mmserve_dev"]
     assert not offenders, offenders
 
 
-@pytest.mark.parametrize("module", ["mmserve.client", "mmserve.gateway.app", "mmserve.families",
-                                    "mmserve.errors", "mmserve.vllm_seam"])
+@pytest.mark.parametrize(
+    "module", ["mmserve.client", "mmserve.gateway.app", "mmserve.families", "mmserve.errors", "mmserve.vllm_seam"]
+)
 def test_light_modules_load_no_engine(module):
     """The client and the gateway need tensor names and errors only: importing them must not load
     vLLM or torch (7 s at start, and seconds to tear them down at a stop)."""
-    code = (f"import sys, {module}; "
-            "print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))")
+    code = f"import sys, {module}; print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]", f"importing {module} loads {loaded.strip()}"

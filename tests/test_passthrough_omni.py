@@ -53,10 +53,7 @@ def test_prompt_is_not_expanded_again(engine, omni_workload):
 
 def test_concurrent_mixed_modalities_staggered(engine, omni_workload):
     # Alternate processed and raw inputs: one deployment serves both, in the same batches.
-    prompts = [
-        processed("qwen2_5_omni", r) if i % 2 == 0 else r.raw_prompt()
-        for i, (r, _) in enumerate(omni_workload)
-    ]
+    prompts = [processed("qwen2_5_omni", r) if i % 2 == 0 else r.raw_prompt() for i, (r, _) in enumerate(omni_workload)]
     outputs = engine.submit(run_concurrently(engine, prompts, stagger_s=0.03)).result()
     mismatches = [r.name for (r, ref), out in zip(omni_workload, outputs, strict=True) if out != ref]
     assert len(outputs) >= 16
@@ -74,8 +71,9 @@ def test_same_ids_different_images_do_not_share_cache(engine, omni_reference):
     # Sequential (a's prefix blocks are cached when b arrives), then concurrent.
     assert tokens(engine, processed("qwen2_5_omni", a)) == ref_a
     assert tokens(engine, processed("qwen2_5_omni", b)) == ref_b
-    both = engine.submit(run_concurrently(
-        engine, [processed("qwen2_5_omni", a), processed("qwen2_5_omni", b)], stagger_s=0)).result()
+    both = engine.submit(
+        run_concurrently(engine, [processed("qwen2_5_omni", a), processed("qwen2_5_omni", b)], stagger_s=0)
+    ).result()
     assert both == [ref_a, ref_b]
 
 
@@ -95,30 +93,53 @@ def _error_cases(prompt, image_token_id):
     ids = prompt["prompt_token_ids"]
     first = ids.index(image_token_id)
     short_ids = copy.deepcopy(prompt)
-    short_ids["prompt_token_ids"] = ids[:first] + ids[first + 1:]
+    short_ids["prompt_token_ids"] = ids[:first] + ids[first + 1 :]
     mixed = copy.deepcopy(prompt)
     mixed["multi_modal_data"]["audio"] = [(torch.zeros(AUDIO_SAMPLE_RATE).numpy(), AUDIO_SAMPLE_RATE)]
     return {
-        "missing field": (_with(prompt, "audio", feature_attention_mask=None),
-                          r"audio: expected the fields .* \(missing \['feature_attention_mask'\]\)"),
-        "unknown field": (_with(prompt, "image", pixel_values_videos=image["pixel_values"]),
-                          r"image: expected only the fields .* unexpected field\(s\) \['pixel_values_videos'\]"),
-        "wrong dtype": (_with(prompt, "image", pixel_values=image["pixel_values"].to(torch.uint8)),
-                        r"image, pixel_values: expected a floating-point tensor .* found dtype torch.uint8"),
-        "wrong rank": (_with(prompt, "image", image_grid_thw=image["image_grid_thw"][0]),
-                       r"image, image_grid_thw: expected rank 2 .* found rank 1 with shape \(3,\)"),
-        "pixel rows": (_with(prompt, "image", pixel_values=image["pixel_values"][:-4]),
-                       r"image, pixel_values: expected \d+ patches .* found \d+ rows"),
-        "mel bins": (_with(prompt, "audio", input_features=audio["input_features"][:, :64]),
-                     r"audio, input_features: expected 128 mel bins"),
-        "placeholder count": (short_ids, r"image item 0, prompt_token_ids: expected \d+ <\|IMAGE\|> tokens "
-                                         r"\(image_grid_thw=\[.*\]\), found a run of \d+ at offset \d+"),
+        "missing field": (
+            _with(prompt, "audio", feature_attention_mask=None),
+            r"audio: expected the fields .* \(missing \['feature_attention_mask'\]\)",
+        ),
+        "unknown field": (
+            _with(prompt, "image", pixel_values_videos=image["pixel_values"]),
+            r"image: expected only the fields .* unexpected field\(s\) \['pixel_values_videos'\]",
+        ),
+        "wrong dtype": (
+            _with(prompt, "image", pixel_values=image["pixel_values"].to(torch.uint8)),
+            r"image, pixel_values: expected a floating-point tensor .* found dtype torch.uint8",
+        ),
+        "wrong rank": (
+            _with(prompt, "image", image_grid_thw=image["image_grid_thw"][0]),
+            r"image, image_grid_thw: expected rank 2 .* found rank 1 with shape \(3,\)",
+        ),
+        "pixel rows": (
+            _with(prompt, "image", pixel_values=image["pixel_values"][:-4]),
+            r"image, pixel_values: expected \d+ patches .* found \d+ rows",
+        ),
+        "mel bins": (
+            _with(prompt, "audio", input_features=audio["input_features"][:, :64]),
+            r"audio, input_features: expected 128 mel bins",
+        ),
+        "placeholder count": (
+            short_ids,
+            r"image item 0, prompt_token_ids: expected \d+ <\|IMAGE\|> tokens "
+            r"\(image_grid_thw=\[.*\]\), found a run of \d+ at offset \d+",
+        ),
         "mixed raw and processed": (mixed, r"expected all modalities of a request already processed, or all raw"),
     }
 
 
-ERROR_CASES = ["missing field", "unknown field", "wrong dtype", "wrong rank", "pixel rows", "mel bins",
-               "placeholder count", "mixed raw and processed"]
+ERROR_CASES = [
+    "missing field",
+    "unknown field",
+    "wrong dtype",
+    "wrong rank",
+    "pixel rows",
+    "mel bins",
+    "placeholder count",
+    "mixed raw and processed",
+]
 
 
 @pytest.mark.parametrize("case", ERROR_CASES)

@@ -24,8 +24,9 @@ def test_locate_matches_each_item_to_its_run():
 def test_locate_reports_item_expected_and_found():
     ids = [0, P, P, P, 9, P, P]
     with pytest.raises(ProcessedInputError) as err:
-        locate_items(ids, modality="audio", token="<|AUDIO|>", token_id=P, expected=[3, 4],
-                     describe=["", "16 valid mel frames"])
+        locate_items(
+            ids, modality="audio", token="<|AUDIO|>", token_id=P, expected=[3, 4], describe=["", "16 valid mel frames"]
+        )
     e = err.value
     assert (e.modality, e.item, e.field) == ("audio", 1, "prompt_token_ids")
     assert "expected 4 <|AUDIO|> tokens (16 valid mel frames)" in str(e)

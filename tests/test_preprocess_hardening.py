@@ -88,27 +88,35 @@ def test_decompression_bombs_are_rejected_before_decoding(preprocessor, monkeypa
     from PIL import Image
 
     # 400 MP: PIL's own bomb check fires first; still answered with our limit.
-    rejects(lambda: preprocessor("x", [png_header_only(20_000, 20_000)]),
-            "image[0]: 400000000 pixels (20000x20000) exceeds the limit of 16777216 (max_image_pixels)")
+    rejects(
+        lambda: preprocessor("x", [png_header_only(20_000, 20_000)]),
+        "image[0]: 400000000 pixels (20000x20000) exceeds the limit of 16777216 (max_image_pixels)",
+    )
     # 100 MP: between PIL's warning and error thresholds; our header check refuses it.
     message = "image[1]: 100000000 pixels (10000x10000) exceeds the limit of 16777216 (max_image_pixels)"
     rejects(lambda: preprocessor("x", [solid_image(8, 8), png_header_only(10_000, 10_000)]), message)
     # Independent of PIL's global: with its check switched off, ours still holds.
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
     rejects(lambda: preprocessor("x", [solid_image(8, 8), png_header_only(10_000, 10_000)]), message)
-    rejects(lambda: preprocessor("x", [png_header_only(20_000, 20_000)]),
-            "image[0]: 400000000 pixels (20000x20000) exceeds the limit of 16777216 (max_image_pixels)")
+    rejects(
+        lambda: preprocessor("x", [png_header_only(20_000, 20_000)]),
+        "image[0]: 400000000 pixels (20000x20000) exceeds the limit of 16777216 (max_image_pixels)",
+    )
     # A stricter PIL global refuses first, and says so rather than blaming our limit.
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
-    rejects(lambda: preprocessor("x", [solid_image(40, 40)]),
-            "image[0]: 1600 pixels (40x40) exceeds the image decoder's own limit (PIL.Image.MAX_IMAGE_PIXELS)")
+    rejects(
+        lambda: preprocessor("x", [solid_image(40, 40)]),
+        "image[0]: 1600 pixels (40x40) exceeds the image decoder's own limit (PIL.Image.MAX_IMAGE_PIXELS)",
+    )
 
 
 def test_max_image_pixels_is_configurable_and_inclusive(preprocessor):
     small = limited(preprocessor, max_image_pixels=40 * 40)
     assert small("x", [solid_image(40, 40)])["image_grid_thw"].shape == (1, 3)
-    rejects(lambda: small("x", [solid_image(41, 40)]),
-            "image[0]: 1640 pixels (41x40) exceeds the limit of 1600 (max_image_pixels)")
+    rejects(
+        lambda: small("x", [solid_image(41, 40)]),
+        "image[0]: 1640 pixels (41x40) exceeds the limit of 1600 (max_image_pixels)",
+    )
 
 
 def test_only_the_listed_image_formats_are_decoded(preprocessor):
@@ -125,12 +133,16 @@ def test_item_counts_and_request_bytes(preprocessor):
     png = solid_image(8, 8)
     rejects(lambda: preprocessor("x", [png] * 5), "image: 5 images exceed the limit of 4 per request (max_images)")
     clip = sample_audio(0, seconds=0.5)
-    rejects(lambda: preprocessor("x", [], [encode_audio(clip)] * 2, pcm=[(clip, AUDIO_SAMPLE_RATE)]),
-            "audio: 3 clips (audio and audio_pcm together) exceed the limit of 2 per request (max_audio_clips)")
+    rejects(
+        lambda: preprocessor("x", [], [encode_audio(clip)] * 2, pcm=[(clip, AUDIO_SAMPLE_RATE)]),
+        "audio: 3 clips (audio and audio_pcm together) exceed the limit of 2 per request (max_audio_clips)",
+    )
     small = limited(preprocessor, max_request_bytes=1000)
     size = 3 + len(png) + clip.nbytes
-    rejects(lambda: small("abc", [png], pcm=[(clip, AUDIO_SAMPLE_RATE)]),
-            f"request: {size} bytes of text and media exceed the limit of 1000 (max_request_bytes)")
+    rejects(
+        lambda: small("abc", [png], pcm=[(clip, AUDIO_SAMPLE_RATE)]),
+        f"request: {size} bytes of text and media exceed the limit of 1000 (max_request_bytes)",
+    )
     rejects(lambda: small("é" * 501), "request: 1002 bytes of text and media exceed the limit of 1000")
     rejects(lambda: preprocessor("x", [3]), "image[0]: expected bytes or a data URL, found int")
 
@@ -140,9 +152,14 @@ def test_audio_longer_than_the_window_is_rejected_not_cut(preprocessor):
 
     assert preprocessor.max_audio_seconds == 30.0  # n_samples / sampling_rate of the extractor
     window = "exceeds the limit of 30.0 s per clip (max_audio_seconds; the model's audio window)"
-    rejects(lambda: preprocessor("x", [], [encode_audio(np.zeros(AUDIO_SAMPLE_RATE * 600, np.float32))]),
-            f"audio[0]: 600.0 s {window}")
-    rejects(lambda: preprocessor("x", pcm=[(sample_audio(0, seconds=31.0), AUDIO_SAMPLE_RATE)]), f"audio_pcm[0]: 31.0 s {window}")
+    rejects(
+        lambda: preprocessor("x", [], [encode_audio(np.zeros(AUDIO_SAMPLE_RATE * 600, np.float32))]),
+        f"audio[0]: 600.0 s {window}",
+    )
+    rejects(
+        lambda: preprocessor("x", pcm=[(sample_audio(0, seconds=31.0), AUDIO_SAMPLE_RATE)]),
+        f"audio_pcm[0]: 31.0 s {window}",
+    )
     # Resampled input counts in its own rate's seconds.
     rejects(lambda: preprocessor("x", pcm=[(np.zeros(8000 * 40, np.float32), 8000)]), f"audio_pcm[0]: 40.0 s {window}")
     # A tiny FLAC that expands to 10 minutes is refused from its header, without decoding it.
@@ -152,42 +169,65 @@ def test_audio_longer_than_the_window_is_rejected_not_cut(preprocessor):
     rejects(lambda: preprocessor("x", [], [buffer.getvalue()]), f"audio[0]: 600.0 s {window}")
     # Exactly the window passes; one sample more does not, and the message shows the difference.
     assert preprocessor("x", pcm=[(sample_audio(0, seconds=30.0), AUDIO_SAMPLE_RATE)])["input_features"].shape[0] == 1
-    rejects(lambda: preprocessor("x", pcm=[(np.zeros(AUDIO_SAMPLE_RATE * 30 + 1, np.float32), AUDIO_SAMPLE_RATE)]),
-            "audio_pcm[0]: 30.00006")
+    rejects(
+        lambda: preprocessor("x", pcm=[(np.zeros(AUDIO_SAMPLE_RATE * 30 + 1, np.float32), AUDIO_SAMPLE_RATE)]),
+        "audio_pcm[0]: 30.00006",
+    )
 
 
 def test_audio_duration_limits_are_configurable(preprocessor):
     short = limited(preprocessor, max_audio_seconds=2.0, max_total_audio_seconds=3.0)
-    rejects(lambda: short("x", pcm=[(sample_audio(0, seconds=2.5), AUDIO_SAMPLE_RATE)]),
-            "audio_pcm[0]: 2.5 s exceeds the limit of 2.0 s per clip (max_audio_seconds)")
-    rejects(lambda: short("x", [], [encode_audio(sample_audio(0, seconds=2.0))], pcm=[(sample_audio(1, 1.5), AUDIO_SAMPLE_RATE)]),
-            "audio: 3.5 s in total exceeds the limit of 3.0 s (max_total_audio_seconds)")
+    rejects(
+        lambda: short("x", pcm=[(sample_audio(0, seconds=2.5), AUDIO_SAMPLE_RATE)]),
+        "audio_pcm[0]: 2.5 s exceeds the limit of 2.0 s per clip (max_audio_seconds)",
+    )
+    rejects(
+        lambda: short(
+            "x", [], [encode_audio(sample_audio(0, seconds=2.0))], pcm=[(sample_audio(1, 1.5), AUDIO_SAMPLE_RATE)]
+        ),
+        "audio: 3.5 s in total exceeds the limit of 3.0 s (max_total_audio_seconds)",
+    )
     with pytest.raises(ValueError, match=r"max_audio_seconds: 60\.0 s exceeds the model's audio window of 30\.0 s"):
         limited(preprocessor, max_audio_seconds=60.0)
-    rejects(lambda: preprocessor("x", pcm=[(sample_audio(0), 10**9)]),
-            "audio_pcm[0]: expected a positive sample rate of at most 768000 Hz, found 1000000000")
+    rejects(
+        lambda: preprocessor("x", pcm=[(sample_audio(0), 10**9)]),
+        "audio_pcm[0]: expected a positive sample rate of at most 768000 Hz, found 1000000000",
+    )
 
 
 def test_max_prompt_tokens(preprocessor):
     tokens = preprocessor("Hello there.")["input_ids"].size
     assert limited(preprocessor, max_prompt_tokens=tokens)("Hello there.")["input_ids"].size == tokens
-    rejects(lambda: limited(preprocessor, max_prompt_tokens=tokens - 1)("Hello there."),
-            f"text_input: the prompt is {tokens} tokens after expansion (template, text and media placeholders), "
-            f"over the limit of {tokens - 1} (max_prompt_tokens)")
+    rejects(
+        lambda: limited(preprocessor, max_prompt_tokens=tokens - 1)("Hello there."),
+        f"text_input: the prompt is {tokens} tokens after expansion (template, text and media placeholders), "
+        f"over the limit of {tokens - 1} (max_prompt_tokens)",
+    )
     # A text too long for the limit at any tokenization is refused before it is tokenized.
     size = preprocessor.max_token_bytes * 32_768 + 1
-    rejects(lambda: preprocessor(b"a" * size),
-            f"text_input: {size} bytes make at least 32769 tokens, over the limit of 32768 (max_prompt_tokens)")
+    rejects(
+        lambda: preprocessor(b"a" * size),
+        f"text_input: {size} bytes make at least 32769 tokens, over the limit of 32768 (max_prompt_tokens)",
+    )
     # Placeholders count: one small image adds its expanded run.
-    rejects(lambda: limited(preprocessor, max_prompt_tokens=tokens + 3)("Hello there.", [solid_image(8, 8)]),
-            "(max_prompt_tokens)")
+    rejects(
+        lambda: limited(preprocessor, max_prompt_tokens=tokens + 3)("Hello there.", [solid_image(8, 8)]),
+        "(max_prompt_tokens)",
+    )
 
 
 def test_limits_from_config_parameters():
     from mmserve.serving.preprocess import PreprocessLimits
 
-    limits = PreprocessLimits.from_parameters({"max_images": "2", "max_audio_seconds": "12.5", "model": "x",
-                                               "max_prompt_tokens": "", "max_total_audio_seconds": " 20 "})
+    limits = PreprocessLimits.from_parameters(
+        {
+            "max_images": "2",
+            "max_audio_seconds": "12.5",
+            "model": "x",
+            "max_prompt_tokens": "",
+            "max_total_audio_seconds": " 20 ",
+        }
+    )
     assert limits == PreprocessLimits(max_images=2, max_audio_seconds=12.5, max_total_audio_seconds=20.0)
     assert PreprocessLimits.from_parameters({"max_audio_seconds": "window"}).max_audio_seconds is None
     with pytest.raises(ValueError, match="parameter max_images: expected an integer, found 'four'"):
@@ -212,8 +252,10 @@ def test_config_pbtxt_states_the_defaults():
 
 # -- 4. errors attributed to the item, not to text_input -------------------------------------------------
 def test_processor_rejections_name_the_item(preprocessor):
-    message = rejects(lambda: preprocessor("x", [solid_image(32, 32), solid_image(10_000, 1)]),
-                      "image[1]: 10000x1 pixels: the processor rejects it (")
+    message = rejects(
+        lambda: preprocessor("x", [solid_image(32, 32), solid_image(10_000, 1)]),
+        "image[1]: 10000x1 pixels: the processor rejects it (",
+    )
     assert "aspect ratio" in message and "text_input" not in message
     assert preprocessor("x", [solid_image(200, 1)])["image_grid_thw"].shape == (1, 3)  # ratio 200 is fine
 
@@ -221,15 +263,23 @@ def test_processor_rejections_name_the_item(preprocessor):
 def test_a_clip_too_short_for_one_embedding_is_named(preprocessor):
     import re
 
-    message = rejects(lambda: preprocessor("x", [], [encode_audio(sample_audio(0, seconds=1.0))],
-                                           pcm=[(sample_audio(1, seconds=0.01), AUDIO_SAMPLE_RATE)]),
-                      "audio_pcm[0]: a 0.010 s clip is too short: at least ")
+    message = rejects(
+        lambda: preprocessor(
+            "x",
+            [],
+            [encode_audio(sample_audio(0, seconds=1.0))],
+            pcm=[(sample_audio(1, seconds=0.01), AUDIO_SAMPLE_RATE)],
+        ),
+        "audio_pcm[0]: a 0.010 s clip is too short: at least ",
+    )
     needed = float(re.search(r"at least ([\d.]+) s needed", message).group(1))  # rounded up to the ms
     samples = round(needed * AUDIO_SAMPLE_RATE)
     assert preprocessor("x", pcm=[(sample_audio(2)[:samples], AUDIO_SAMPLE_RATE)])["input_features"].shape[0] == 1
     shorter = samples - 16  # 1 ms less
-    rejects(lambda: preprocessor("x", [], [encode_audio(sample_audio(2)[:shorter])]),
-            f"audio[0]: a {shorter / AUDIO_SAMPLE_RATE:.3f} s clip is too short: at least {needed:.3f} s needed")
+    rejects(
+        lambda: preprocessor("x", [], [encode_audio(sample_audio(2)[:shorter])]),
+        f"audio[0]: a {shorter / AUDIO_SAMPLE_RATE:.3f} s clip is too short: at least {needed:.3f} s needed",
+    )
 
 
 # -- 5. non-finite numbers ------------------------------------------------------------------------
@@ -247,8 +297,10 @@ def test_non_finite_audio_is_rejected(preprocessor):
 def test_non_finite_features_are_rejected_naming_the_tensor(preprocessor):
     # Finite samples whose power overflows float32: the log-mel features come out infinite, all
     # 128 mel bins x 100 frames of the 1-s clip (the window's padding past it is cut).
-    rejects(lambda: preprocessor("x", pcm=[(np.full(AUDIO_SAMPLE_RATE, 3e38, np.float32), AUDIO_SAMPLE_RATE)]),
-            f"input_features: {128 * AUDIO_SAMPLE_RATE // 160} non-finite values (NaN/Inf) in the processed features")
+    rejects(
+        lambda: preprocessor("x", pcm=[(np.full(AUDIO_SAMPLE_RATE, 3e38, np.float32), AUDIO_SAMPLE_RATE)]),
+        f"input_features: {128 * AUDIO_SAMPLE_RATE // 160} non-finite values (NaN/Inf) in the processed features",
+    )
 
 
 # -- 6. control tokens typed in user text ----------------------------------------------------------
@@ -269,8 +321,8 @@ def test_typed_control_tokens_are_plain_text(preprocessor):
     plain = tokenizer(INJECTION, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     user_start = int(np.flatnonzero(ids == im_start)[1]) + 1
     head = tokenizer("user\n", add_special_tokens=False)["input_ids"]
-    assert ids[user_start:user_start + len(head)].tolist() == head
-    assert ids[user_start + len(head):user_start + len(head) + len(plain)].tolist() == plain
+    assert ids[user_start : user_start + len(head)].tolist() == head
+    assert ids[user_start + len(head) : user_start + len(head) + len(plain)].tolist() == plain
 
 
 def test_typed_placeholder_beside_a_real_image(preprocessor):
@@ -278,7 +330,7 @@ def test_typed_placeholder_beside_a_real_image(preprocessor):
 
     image_id = preprocessor.placeholder_ids["image"][1]
     out = preprocessor("What is <|IMAGE|> here? <|vision_bos|><|AUDIO|>", [encode_image(sample_image())])
-    (_, length), = placeholder_runs(out["input_ids"], image_id)
+    ((_, length),) = placeholder_runs(out["input_ids"], image_id)
     assert length == int(out["image_grid_thw"].prod()) // 4
     assert np.count_nonzero(out["input_ids"] == image_id) == length
     assert preprocessor.placeholder_ids["audio"][1] not in out["input_ids"].tolist()
@@ -295,9 +347,11 @@ def test_plain_text_keeps_the_common_path(preprocessor):
 
 def test_reject_mode_names_the_token(preprocessor):
     strict = preprocessor.with_settings(user_control_tokens="reject")
-    rejects(lambda: strict("hi " + INJECTION),
-            "text_input: the control token '<|im_start|>' at character 3 is not accepted in user text "
-            "(user_control_tokens=reject)")
+    rejects(
+        lambda: strict("hi " + INJECTION),
+        "text_input: the control token '<|im_start|>' at character 3 is not accepted in user text "
+        "(user_control_tokens=reject)",
+    )
     assert strict("hi")["input_ids"].tolist() == preprocessor("hi")["input_ids"].tolist()
     with pytest.raises(ValueError, match="user_control_tokens: expected one of"):
         preprocessor.with_settings(user_control_tokens="ignore")
@@ -365,18 +419,22 @@ def test_triton_model_reads_its_parameters_and_answers_every_error(triton_model,
     assert built["model"].endswith("models/qwen2_5_omni")
     assert built["limits"] == PreprocessLimits(max_images=1) and built["user_control_tokens"] == "reject"
     png = solid_image(8, 8)
-    ok, missing, bad_utf8, too_many, injected = model.execute([
-        _request(text_input=_text(b"Describe."), image=np.array([png], dtype=np.object_)),
-        _request(image=np.array([png], dtype=np.object_)),
-        _request(text_input=_text(b"\xffoops")),
-        _request(text_input=_text(b"x"), image=np.array([png, png], dtype=np.object_)),
-        _request(text_input=_text(INJECTION.encode())),
-    ])
+    ok, missing, bad_utf8, too_many, injected = model.execute(
+        [
+            _request(text_input=_text(b"Describe."), image=np.array([png], dtype=np.object_)),
+            _request(image=np.array([png], dtype=np.object_)),
+            _request(text_input=_text(b"\xffoops")),
+            _request(text_input=_text(b"x"), image=np.array([png, png], dtype=np.object_)),
+            _request(text_input=_text(INJECTION.encode())),
+        ]
+    )
     assert ok.error is None and {t.name() for t in ok.output_tensors} >= {"input_ids", "pixel_values"}
-    for response, message in [(missing, "text_input: required"),
-                              (bad_utf8, "text_input: invalid UTF-8 at byte 0 (0xff)"),
-                              (too_many, "image: 2 images exceed the limit of 1 per request (max_images)"),
-                              (injected, "text_input: the control token '<|im_start|>'")]:
+    for response, message in [
+        (missing, "text_input: required"),
+        (bad_utf8, "text_input: invalid UTF-8 at byte 0 (0xff)"),
+        (too_many, "image: 2 images exceed the limit of 1 per request (max_images)"),
+        (injected, "text_input: the control token '<|im_start|>'"),
+    ]:
         assert response.error.code() == FakeTritonError.INVALID_ARG
         assert message in response.error.message()
 
@@ -386,25 +444,33 @@ def test_triton_model_takes_a_conversation(triton_model, preprocessor):
     answered INVALID_ARG."""
     model, _ = triton_model()
     png = solid_image(8, 8)
-    conversation = json.dumps([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]},
-                               {"role": "assistant", "content": "Hello."},
-                               {"role": "user", "content": "Describe it."}]).encode()
+    conversation = json.dumps(
+        [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Describe it."},
+        ]
+    ).encode()
     images = np.array([png], dtype=np.object_)
-    ok, empty_text, both, two, neither = model.execute([
-        _request(messages=_text(conversation), image=images),
-        _request(messages=_text(conversation), image=images, text_input=_text(b"")),
-        _request(messages=_text(conversation), image=images, text_input=_text(b"x")),
-        _request(messages=np.array([conversation, conversation], dtype=np.object_), image=images),
-        _request(image=images),
-    ])
+    ok, empty_text, both, two, neither = model.execute(
+        [
+            _request(messages=_text(conversation), image=images),
+            _request(messages=_text(conversation), image=images, text_input=_text(b"")),
+            _request(messages=_text(conversation), image=images, text_input=_text(b"x")),
+            _request(messages=np.array([conversation, conversation], dtype=np.object_), image=images),
+            _request(image=images),
+        ]
+    )
     expected = preprocessor(messages=conversation, images=[png])["input_ids"]
     for response in (ok, empty_text):
         assert response.error is None
         ids = {t.name(): t.as_numpy() for t in response.output_tensors}["input_ids"]
         np.testing.assert_array_equal(ids, expected)
-    for response, message in [(both, "messages: text_input must be absent or empty when messages is given"),
-                              (two, "messages: expected exactly one JSON string, found 2"),
-                              (neither, "text_input: required (BYTES [1], the prompt), or messages")]:
+    for response, message in [
+        (both, "messages: text_input must be absent or empty when messages is given"),
+        (two, "messages: expected exactly one JSON string, found 2"),
+        (neither, "text_input: required (BYTES [1], the prompt), or messages"),
+    ]:
         assert response.error.code() == FakeTritonError.INVALID_ARG
         assert message in response.error.message()
 
@@ -459,10 +525,15 @@ def test_triton_model_takes_the_checkpoint_and_media_limits_from_the_engine_conf
     engine = read_engine_config(MODEL_DIR.parent / "mm_llm" / "model.json")
     _, built = triton_model()
     assert built["model"] == engine["model"]
-    assert (built["limits"].max_images, built["limits"].max_audio_clips) == \
-        (mm_limits(engine)["image"], mm_limits(engine)["audio"])
-    with pytest.raises(ValueError, match=r"max_images: 9 exceeds the engine's limit_mm_per_prompt of "
-                                         r"\d+ image items \(mm_llm/model.json\)"):
+    assert (built["limits"].max_images, built["limits"].max_audio_clips) == (
+        mm_limits(engine)["image"],
+        mm_limits(engine)["audio"],
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"max_images: 9 exceeds the engine's limit_mm_per_prompt of "
+        r"\d+ image items \(mm_llm/model.json\)",
+    ):
         triton_model(max_images="9")
     other = tmp_path / "model.json"
     other.write_text('{"model": "ckpt", "limit_mm_per_prompt": {"image": {"count": 1}, "audio": 3}}')

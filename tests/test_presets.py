@@ -77,18 +77,42 @@ class RealCheckpoint:
 
 REAL: dict[str, RealCheckpoint] = {
     "Qwen2.5-Omni-7B": RealCheckpoint(
-        "qwen2_5_omni", ("Qwen2_5OmniModel",), 32768, {"text": 28, "vision": 16, "audio": 20}, 4,
-        {**_VISION_PROCESSOR, **_WHISPER, "chunk_length": 300, "n_samples": 4800000, "nb_max_frames": 30000,
-         "dither": 0.0, "processor_class": "Qwen2_5OmniProcessor"},
+        "qwen2_5_omni",
+        ("Qwen2_5OmniModel",),
+        32768,
+        {"text": 28, "vision": 16, "audio": 20},
+        4,
+        {
+            **_VISION_PROCESSOR,
+            **_WHISPER,
+            "chunk_length": 300,
+            "n_samples": 4800000,
+            "nb_max_frames": 30000,
+            "dither": 0.0,
+            "processor_class": "Qwen2_5OmniProcessor",
+        },
     ),
     "Qwen2.5-VL-7B-Instruct": RealCheckpoint(
-        "qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), 128000, {"text": 28, "vision": 16}, 4,
+        "qwen2_5_vl",
+        ("Qwen2_5_VLForConditionalGeneration",),
+        128000,
+        {"text": 28, "vision": 16},
+        4,
         {**_VISION_PROCESSOR, "processor_class": "Qwen2_5_VLProcessor"},
     ),
     "Qwen2-Audio-7B-Instruct": RealCheckpoint(
-        "qwen2_audio", ("Qwen2AudioForConditionalGeneration",), 8192, {"text": 32, "audio": 20}, 32,
-        {**_WHISPER, "chunk_length": 30, "n_samples": 480000, "nb_max_frames": 3000,
-         "processor_class": "Qwen2AudioProcessor"},
+        "qwen2_audio",
+        ("Qwen2AudioForConditionalGeneration",),
+        8192,
+        {"text": 32, "audio": 20},
+        32,
+        {
+            **_WHISPER,
+            "chunk_length": 30,
+            "n_samples": 480000,
+            "nb_max_frames": 3000,
+            "processor_class": "Qwen2AudioProcessor",
+        },
     ),
 }
 
@@ -135,7 +159,9 @@ def _engine_arg_type(name: str) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     field = {f.name: f for f in dataclasses.fields(AsyncEngineArgs)}[name]
-    return eval(field.type, vars(sys.modules[AsyncEngineArgs.__module__])) if isinstance(field.type, str) else field.type
+    return (
+        eval(field.type, vars(sys.modules[AsyncEngineArgs.__module__])) if isinstance(field.type, str) else field.type
+    )
 
 
 # -- the presets as files ----------------------------------------------------------------------------
@@ -143,15 +169,17 @@ def test_every_checkpoint_has_a_one_gpu_and_a_tensor_parallel_preset():
     by_checkpoint: dict[str, list[int]] = {}
     for name in PRESETS:
         by_checkpoint.setdefault(Path(load_preset(name)["model"]).name, []).append(
-            load_preset(name).get("tensor_parallel_size", 1))
+            load_preset(name).get("tensor_parallel_size", 1)
+        )
     assert {k: sorted(v)[0] for k, v in by_checkpoint.items()} == dict.fromkeys(REAL, 1)
     assert all(len(v) >= 2 for v in by_checkpoint.values()), by_checkpoint
     for name in PRESETS:
         if name.endswith("_tp2"):  # the same arguments, plus the parallel layout (and a bigger batch)
             one, tp = load_preset(name.removesuffix("_tp2")), load_preset(name)
             assert tp["tensor_parallel_size"] == 2 and tp["distributed_executor_backend"] == "mp"
-            assert {k: v for k, v in tp.items() if k not in (*PARALLEL_KEYS, "max_num_seqs")} == \
-                   {k: v for k, v in one.items() if k != "max_num_seqs"}
+            assert {k: v for k, v in tp.items() if k not in (*PARALLEL_KEYS, "max_num_seqs")} == {
+                k: v for k, v in one.items() if k != "max_num_seqs"
+            }
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -173,8 +201,13 @@ def test_keys_are_engine_arguments_of_their_type(name):
 def test_the_type_check_catches_wrong_types():
     from pydantic import TypeAdapter, ValidationError
 
-    for key, bad in (("tensor_parallel_size", "2"), ("max_model_len", 8192.0), ("enable_prefix_caching", 1),
-                     ("dtype", "bf16"), ("limit_mm_per_prompt", {"image": "4"})):
+    for key, bad in (
+        ("tensor_parallel_size", "2"),
+        ("max_model_len", 8192.0),
+        ("enable_prefix_caching", 1),
+        ("dtype", "bf16"),
+        ("limit_mm_per_prompt", {"image": "4"}),
+    ):
         with pytest.raises(ValidationError):
             TypeAdapter(_engine_arg_type(key)).validate_python(bad, strict=True)
 
@@ -247,8 +280,14 @@ class _Checkpoint:
         self.limits = PreprocessLimits.from_parameters(_preprocess_parameters(), mm_limits(self.preset))
         self.preprocessor = Preprocessor(model, limits=self.limits)
         register()
-        config = ModelConfig(**engine_kwargs(model, max_model_len=self.preset["max_model_len"], dtype="float32",
-                                             limit_mm_per_prompt=mm_limits(self.preset)))
+        config = ModelConfig(
+            **engine_kwargs(
+                model,
+                max_model_len=self.preset["max_model_len"],
+                dtype="float32",
+                limit_mm_per_prompt=mm_limits(self.preset),
+            )
+        )
         self.processor = MULTIMODAL_REGISTRY.create_processor(config)
         self.hf_config = self.processor.info.get_hf_config()
 
@@ -273,8 +312,9 @@ class _Checkpoint:
         outputs = self.preprocessor("Describe it.", **media)
         ids = outputs.pop("input_ids").tolist()
         data = processed_multi_modal_data(self.family, outputs)[modality]
-        items = ProcessedItems({k: torch.from_numpy(v) for k, v in data.items()}, self.family.modality(modality),
-                               self.hf_config)
+        items = ProcessedItems(
+            {k: torch.from_numpy(v) for k, v in data.items()}, self.family.modality(modality), self.hf_config
+        )
         runs = placeholder_runs(ids, self.preprocessor.placeholder_ids[modality][1])
         assert [n for _, n in runs] == items.expected_tokens()
         return runs[0][1], len(ids)

@@ -34,13 +34,14 @@ BAD = [
     ({"bogus": 1}, r"unknown parameter(s) ['bogus']"),
     ({"zeta": 1, "alpha": 2, "top_p": 0.5}, r"unknown parameter(s) ['alpha', 'zeta']"),
     # real SamplingParams fields this server refuses
-    ({"structured_outputs": {"regex": "a+"}},
-     "parameter(s) ['structured_outputs'] not supported by this server"),
+    ({"structured_outputs": {"regex": "a+"}}, "parameter(s) ['structured_outputs'] not supported by this server"),
     ({"extra_args": {"a": 1}}, "parameter(s) ['extra_args'] not supported by this server"),
     ({"output_kind": 0}, "parameter(s) ['output_kind'] not supported by this server"),
     ({"_eos_token_id": 2}, "parameter(s) ['_eos_token_id'] not supported by this server"),
-    ({"detokenize": False, "prompt_logprobs": 1},
-     "parameter(s) ['detokenize', 'prompt_logprobs'] not supported by this server"),
+    (
+        {"detokenize": False, "prompt_logprobs": 1},
+        "parameter(s) ['detokenize', 'prompt_logprobs'] not supported by this server",
+    ),
     ({"thinking_token_budget": 5}, "['thinking_token_budget'] not supported"),
     # ints
     ({"max_tokens": "many"}, "max_tokens: expected int, found 'many'"),
@@ -79,8 +80,7 @@ BAD = [
     # bools
     ({"ignore_eos": 1}, 'ignore_eos: expected bool (true, false, "true", "false", "1" or "0"), found 1'),
     ({"ignore_eos": 0}, "ignore_eos: expected bool"),
-    ({"ignore_eos": "abc"},
-     """ignore_eos: expected bool (true, false, "true", "false", "1" or "0"), found 'abc'"""),
+    ({"ignore_eos": "abc"}, """ignore_eos: expected bool (true, false, "true", "false", "1" or "0"), found 'abc'"""),
     ({"ignore_eos": "yes"}, "ignore_eos: expected bool"),
     ({"skip_special_tokens": None}, "skip_special_tokens: expected bool"),
     # stop, bad_words
@@ -88,8 +88,7 @@ BAD = [
     ({"stop": [1]}, "stop[0]: expected a non-empty string of at most 256 characters, found 1"),
     ({"stop": ["a", ""]}, "stop[1]: expected a non-empty string"),
     ({"stop": ""}, "stop: expected a non-empty string"),
-    ({"stop": ["x"] * 33},
-     "stop: expected a string or a list of at most 32 strings, found a list of 33 item(s)"),
+    ({"stop": ["x"] * 33}, "stop: expected a string or a list of at most 32 strings, found a list of 33 item(s)"),
     ({"stop": "y" * 257}, "stop: expected a non-empty string of at most 256 characters"),
     ({"stop": "\ud800"}, "stop: expected a non-empty string of at most 256 characters of valid Unicode"),
     ({"bad_words": "word"}, "bad_words: expected a list of at most 128 strings, found 'word'"),
@@ -102,8 +101,7 @@ BAD = [
     ({"allowed_token_ids": []}, "allowed_token_ids: expected a non-empty list of at most 16384 token ids"),
     ({"allowed_token_ids": [1.5]}, "allowed_token_ids[0]: expected int, found 1.5"),
     # logit_bias
-    ({"logit_bias": {"x": 1}},
-     "logit_bias: expected token id keys (integer strings in [0, 2147483647]), found 'x'"),
+    ({"logit_bias": {"x": 1}}, "logit_bias: expected token id keys (integer strings in [0, 2147483647]), found 'x'"),
     ({"logit_bias": {"-5": 1}}, "logit_bias: expected token id keys"),
     ({"logit_bias": {"99999999999": 1}}, "logit_bias: expected token id keys"),
     ({"logit_bias": {"5": 1e9}}, "logit_bias['5']: expected float in [-100, 100], found 1000000000.0"),
@@ -125,10 +123,11 @@ GOOD = [
     ("", {"max_tokens": 16}),
     ({}, {"max_tokens": 16}),
     ({"max_tokens": 16.0}, {"max_tokens": 16}),
-    ({"max_tokens": "7", "temperature": "0.5", "ignore_eos": "true"},
-     {"max_tokens": 7, "temperature": 0.5, "ignore_eos": True}),
-    ({"max_tokens": " 12 ", "top_k": "-1", "min_tokens": "2.0"},
-     {"max_tokens": 12, "top_k": -1, "min_tokens": 2}),
+    (
+        {"max_tokens": "7", "temperature": "0.5", "ignore_eos": "true"},
+        {"max_tokens": 7, "temperature": 0.5, "ignore_eos": True},
+    ),
+    ({"max_tokens": " 12 ", "top_k": "-1", "min_tokens": "2.0"}, {"max_tokens": 12, "top_k": -1, "min_tokens": 2}),
     ({"max_tokens": 2**31 - 1}, {"max_tokens": 2**31 - 1}),
     ({"max_tokens": None, "seed": None, "stop": None, "logit_bias": None}, {"max_tokens": 16, "seed": None}),
     ({"seed": 0}, {"seed": 0}),
@@ -137,12 +136,24 @@ GOOD = [
     ({"n": 1.0}, {"n": 1}),
     ({"temperature": 0}, {"temperature": 0.0}),
     ({"temperature": 1, "top_p": "1", "min_p": 0.1}, {"temperature": 1.0, "top_p": 1.0, "min_p": 0.1}),
-    ({"repetition_penalty": "1.1e0", "presence_penalty": -2, "frequency_penalty": 2.0},
-     {"repetition_penalty": 1.1, "presence_penalty": -2.0, "frequency_penalty": 2.0}),
-    ({"ignore_eos": False, "skip_special_tokens": "FALSE", "spaces_between_special_tokens": "0",
-      "include_stop_str_in_output": "1"},
-     {"ignore_eos": False, "skip_special_tokens": False, "spaces_between_special_tokens": False,
-      "include_stop_str_in_output": True}),
+    (
+        {"repetition_penalty": "1.1e0", "presence_penalty": -2, "frequency_penalty": 2.0},
+        {"repetition_penalty": 1.1, "presence_penalty": -2.0, "frequency_penalty": 2.0},
+    ),
+    (
+        {
+            "ignore_eos": False,
+            "skip_special_tokens": "FALSE",
+            "spaces_between_special_tokens": "0",
+            "include_stop_str_in_output": "1",
+        },
+        {
+            "ignore_eos": False,
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+            "include_stop_str_in_output": True,
+        },
+    ),
     ({"stop": "END"}, {"stop": ["END"]}),
     ({"stop": ["a", "bc"]}, {"stop": ["a", "bc"]}),
     ({"stop_token_ids": [2, "3", 4.0, 2]}, {"stop_token_ids": [2, 3, 4]}),
@@ -157,8 +168,11 @@ GOOD = [
 
 @pytest.mark.parametrize(("params", "expected"), GOOD, ids=[f"good{i}" for i in range(len(GOOD))])
 def test_accepts(params: object, expected: dict[str, object]) -> None:
-    result = parse_sampling_parameters(None if params is None else params if isinstance(params, str)
-                                       else json.dumps(params), stream=False, logprobs=False)
+    result = parse_sampling_parameters(
+        None if params is None else params if isinstance(params, str) else json.dumps(params),
+        stream=False,
+        logprobs=False,
+    )
     for name, value in expected.items():
         got = getattr(result, name)
         assert got == value and type(got) is type(value), (name, got, value)
@@ -189,9 +203,17 @@ WEDGING = [
 
 
 def _engine_request(params: SamplingParams) -> EngineCoreRequest:
-    return EngineCoreRequest(request_id="r", prompt_token_ids=[1, 2], mm_features=None,
-                             sampling_params=params, pooling_params=None, arrival_time=0.0,
-                             lora_request=None, cache_salt=None, data_parallel_rank=None)
+    return EngineCoreRequest(
+        request_id="r",
+        prompt_token_ids=[1, 2],
+        mm_features=None,
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=0.0,
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+    )
 
 
 @pytest.mark.parametrize(("kwargs", "detail"), WEDGING, ids=[f"wedging{i}" for i in range(len(WEDGING))])
@@ -200,8 +222,9 @@ def test_guard_rejects_what_the_engine_core_cannot_decode(kwargs: dict[str, obje
     # What the engine core's input thread does with it (EngineCoreProc.process_input_sockets):
     with pytest.raises(msgspec.ValidationError):
         MsgpackDecoder(EngineCoreRequest).decode(MsgpackEncoder().encode(_engine_request(params)))
-    with pytest.raises(InputError, match=re.escape(
-            f"sampling_parameters: rejected by the engine's request decoder: {detail}")):
+    with pytest.raises(
+        InputError, match=re.escape(f"sampling_parameters: rejected by the engine's request decoder: {detail}")
+    ):
         check_engine_transport(params)
 
 

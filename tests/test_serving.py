@@ -61,7 +61,10 @@ def test_audio_features_are_the_full_window_ones_on_the_valid_frames(preprocesso
     rng = np.random.default_rng(7)
     for trial in range(12):
         seconds = rng.uniform(0.1, 29.5, size=1 + trial % 2)
-        clips = [(rng.standard_normal(int(s * AUDIO_SAMPLE_RATE)) * rng.uniform(1e-3, 1.0)).astype(np.float32) for s in seconds]
+        clips = [
+            (rng.standard_normal(int(s * AUDIO_SAMPLE_RATE)) * rng.uniform(1e-3, 1.0)).astype(np.float32)
+            for s in seconds
+        ]
         if trial % 4 == 0:
             clips[0][:] = 0.0
         out = preprocessor("Hi", pcm=[(clip, AUDIO_SAMPLE_RATE) for clip in clips])
@@ -84,14 +87,22 @@ def test_preprocess_empty_modalities_and_pcm(preprocessor):
     assert resampled["feature_attention_mask"].sum() == direct["feature_attention_mask"].sum() == 100
 
 
-@pytest.mark.parametrize("call,message", [
-    (lambda p: p("x", [b"junk"]), r"image\[0\]: cannot decode 4 bytes as an image"),
-    (lambda p: p("x", [], [b"RIFF0000WAVE"]), r"audio\[0\]: cannot decode 12 bytes as audio"),
-    (lambda p: p("x", ["data:image/png,abc"]), r"image\[0\]: a data URL must be base64-encoded"),
-    (lambda p: p("x", pcm=[(np.zeros(0, np.float32), AUDIO_SAMPLE_RATE)]), r"audio_pcm\[0\]: expected a non-empty mono clip"),
-    (lambda p: p("<|vision_bos|><|IMAGE|><|vision_eos|>x", apply_chat_template=False),
-     r"text_input: 1 <\|IMAGE\|> placeholder\(s\) in the prompt, but 0 image item\(s\) given"),
-])
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda p: p("x", [b"junk"]), r"image\[0\]: cannot decode 4 bytes as an image"),
+        (lambda p: p("x", [], [b"RIFF0000WAVE"]), r"audio\[0\]: cannot decode 12 bytes as audio"),
+        (lambda p: p("x", ["data:image/png,abc"]), r"image\[0\]: a data URL must be base64-encoded"),
+        (
+            lambda p: p("x", pcm=[(np.zeros(0, np.float32), AUDIO_SAMPLE_RATE)]),
+            r"audio_pcm\[0\]: expected a non-empty mono clip",
+        ),
+        (
+            lambda p: p("<|vision_bos|><|IMAGE|><|vision_eos|>x", apply_chat_template=False),
+            r"text_input: 1 <\|IMAGE\|> placeholder\(s\) in the prompt, but 0 image item\(s\) given",
+        ),
+    ],
+)
 def test_preprocess_errors_name_the_input_and_item(preprocessor, call, message):
     from mmserve.serving.preprocess import PreprocessError
 
@@ -105,15 +116,20 @@ def test_sampling_parameters():
     from mmserve.errors import InputError
     from mmserve.serving.sampling import parse_sampling_parameters
 
-    params = parse_sampling_parameters('{"max_tokens": "7", "temperature": "0.5", "ignore_eos": "true"}',
-                                       stream=True, logprobs=False)
+    params = parse_sampling_parameters(
+        '{"max_tokens": "7", "temperature": "0.5", "ignore_eos": "true"}', stream=True, logprobs=False
+    )
     assert (params.max_tokens, params.temperature, params.ignore_eos) == (7, 0.5, True)
     assert params.output_kind == RequestOutputKind.DELTA
     assert parse_sampling_parameters(None, stream=False, logprobs=True).logprobs == 1
-    for text, message in [("{", "invalid JSON"), ("[1]", "expected a JSON object"),
-                          ('{"bogus": 1}', r"unknown parameter\(s\) \['bogus'\]"),
-                          ('{"max_tokens": "many"}', "max_tokens: expected int, found 'many'"),
-                          ('{"top_p": 2}', "top_p"), ('{"n": 2}', "only 1 completion")]:
+    for text, message in [
+        ("{", "invalid JSON"),
+        ("[1]", "expected a JSON object"),
+        ('{"bogus": 1}', r"unknown parameter\(s\) \['bogus'\]"),
+        ('{"max_tokens": "many"}', "max_tokens: expected int, found 'many'"),
+        ('{"top_p": 2}', "top_p"),
+        ('{"n": 2}', "only 1 completion"),
+    ]:
         with pytest.raises(InputError, match=message):
             parse_sampling_parameters(text, stream=False, logprobs=False)
 
@@ -135,7 +151,10 @@ def test_parse_request_groups_tensors_by_modality():
     assert request.stream and request.text_input == "hello"
     assert request.prompt["prompt_token_ids"] == list(range(10))
     assert set(request.prompt["multi_modal_data"]) == {"audio"}
-    with pytest.raises(RequestError, match=r"input_features: the qwen2_5_vl model takes no such input \(it takes \['image_grid_thw', 'pixel_values'\]\)"):
+    with pytest.raises(
+        RequestError,
+        match=r"input_features: the qwen2_5_vl model takes no such input \(it takes \['image_grid_thw', 'pixel_values'\]\)",
+    ):
         parse_request(get_family("qwen2_5_vl"), tensors.get)
     with pytest.raises(RequestError, match="input_ids: expected a non-empty INT64 tensor"):
         parse_request(get_family("qwen2_5_omni"), {}.get)
@@ -162,8 +181,10 @@ def _listed(tensors) -> list[tuple[str, str, list[int], bool]]:
     """(name, type, dims, optional) of a config's inputs or outputs, in order."""
     from tritonclient.grpc import model_config_pb2
 
-    return [(t.name, model_config_pb2.DataType.Name(t.data_type), list(t.dims), getattr(t, "optional", False))
-            for t in tensors]
+    return [
+        (t.name, model_config_pb2.DataType.Name(t.data_type), list(t.dims), getattr(t, "optional", False))
+        for t in tensors
+    ]
 
 
 def _expected(specs, required=()) -> list[tuple[str, str, list[int], bool]]:
@@ -182,8 +203,9 @@ def test_model_repository_configs_follow_the_tensor_contract():
     # the model answers its absence.
     assert {"text_input", "messages", "image", "audio"} <= set(wire.names(wire.PREPROCESS_INPUTS))
     assert _listed(preprocess.input) == _expected(wire.PREPROCESS_INPUTS)
-    assert [entry[:3] for entry in _listed(preprocess.output)] == \
-        [entry[:3] for entry in _expected((INPUT_IDS, *FEATURE_TENSORS))]
+    assert [entry[:3] for entry in _listed(preprocess.output)] == [
+        entry[:3] for entry in _expected((INPUT_IDS, *FEATURE_TENSORS))
+    ]
     assert _listed(llm.input) == _expected(MM_LLM_INPUTS, required=("input_ids",))
     assert [entry[:3] for entry in _listed(llm.output)] == outputs
     assert llm.model_transaction_policy.decoupled
@@ -198,10 +220,12 @@ def test_model_repository_configs_follow_the_tensor_contract():
     assert first.input_map["messages"] == "messages"
     internal = {first.output_map[name]: name for name in first.output_map}
     assert set(internal.values()) == {s.name for s in (INPUT_IDS, *FEATURE_TENSORS)}
-    assert {key: value for key, value in second.input_map.items() if value in internal} == \
-        {name: f"_{name}" for name in internal.values()}
-    assert {key: value for key, value in second.input_map.items() if value not in internal} == \
-        {name: name for name in wire.names((wire.TEXT_INPUT, *wire.GENERATION_INPUTS))}
+    assert {key: value for key, value in second.input_map.items() if value in internal} == {
+        name: f"_{name}" for name in internal.values()
+    }
+    assert {key: value for key, value in second.input_map.items() if value not in internal} == {
+        name: name for name in wire.names((wire.TEXT_INPUT, *wire.GENERATION_INPUTS))
+    }
     assert dict(second.output_map) == {name: name for name in wire.names(wire.OUTPUTS)}
 
 
@@ -219,14 +243,26 @@ def test_the_client_names_only_tensors_of_the_contract():
     tree = ast.parse((ROOT / "src" / "mmserve" / "client.py").read_text())
     named: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and \
-                node.value.id in ("tensors", "processed", "body", "flags") and isinstance(node.slice, ast.Constant):
+        if (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("tensors", "processed", "body", "flags")
+            and isinstance(node.slice, ast.Constant)
+        ):
             named.add(node.slice.value)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
-                node.func.id in ("get", "optional", "first") and node.args and isinstance(node.args[0], ast.Constant):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("get", "optional", "first")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             named.add(node.args[0].value)
-        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and any(
-                isinstance(t, ast.Name) and t.id in ("tensors", "flags", "body") for t in node.targets):
+        elif (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Dict)
+            and any(isinstance(t, ast.Name) and t.id in ("tensors", "flags", "body") for t in node.targets)
+        ):
             named.update(k.value for k in node.value.keys if isinstance(k, ast.Constant))
     assert len(named) >= 12, named  # the check sees the client's names
     assert named <= known, named - known
@@ -303,8 +339,12 @@ def test_drain_without_a_server_says_so():
 
     [port] = free_ports(1)
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "mmserve.drain", "--url", f"127.0.0.1:{port}", "--grace-s", "1"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "mmserve.drain", "--url", f"127.0.0.1:{port}", "--grace-s", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1 and "could not drain mm_llm" in done.stderr, done
     assert time.monotonic() - started < 30
 

@@ -32,20 +32,31 @@ def test_every_variable_used_anywhere_is_declared():
     undeclared = {name: sorted(files) for name, files in used.items() if name not in declared}
     assert not undeclared, f"declare these in src/mmserve/settings.py: {undeclared}"
     # ... and each declared one is read somewhere: by name (scripts, docs) or through the module.
-    python = "\n".join((ROOT / name).read_text() for name in _tracked_files()
-                       if name.endswith(".py") and name != "src/mmserve/settings.py" and (ROOT / name).is_file())
+    python = "\n".join(
+        (ROOT / name).read_text()
+        for name in _tracked_files()
+        if name.endswith(".py") and name != "src/mmserve/settings.py" and (ROOT / name).is_file()
+    )
     attributes = {var.name: attr for attr, var in vars(settings).items() if isinstance(var, settings.EnvVar)}
-    unused = {name for name in declared
-              if not (used.get(name, set()) - {"src/mmserve/settings.py"})
-              and not re.search(rf"\bsettings\.{attributes[name]}\b|import .*\b{attributes[name]}\b", python)}
+    unused = {
+        name
+        for name in declared
+        if not (used.get(name, set()) - {"src/mmserve/settings.py"})
+        and not re.search(rf"\bsettings\.{attributes[name]}\b|import .*\b{attributes[name]}\b", python)
+    }
     assert not unused, f"declared but never used: {unused}"
 
 
 def test_python_reads_them_only_through_the_settings_module():
     direct = re.compile(r"environ(?:\.get)?[\[(]\s*['\"]MMSERVE_|getenv\(\s*['\"]MMSERVE_")
-    offenders = [name for name in _tracked_files()
-                 if name.endswith(".py") and name != "src/mmserve/settings.py"
-                 and (ROOT / name).is_file() and direct.search((ROOT / name).read_text())]
+    offenders = [
+        name
+        for name in _tracked_files()
+        if name.endswith(".py")
+        and name != "src/mmserve/settings.py"
+        and (ROOT / name).is_file()
+        and direct.search((ROOT / name).read_text())
+    ]
     assert not offenders, f"read MMSERVE_* through mmserve.settings in {offenders}"
 
 
@@ -60,9 +71,11 @@ def test_get_falls_back_to_the_default(monkeypatch):
 
 def test_importing_mmserve_changes_no_process_state():
     """No locale switch, no logging setup, no environment change on import (the Triton adapters own those)."""
-    code = ("import locale, os, logging; before = (locale.setlocale(locale.LC_CTYPE), dict(os.environ), "
-            "logging.getLogger().handlers[:]); import mmserve, mmserve.settings, mmserve.wire; "
-            "after = (locale.setlocale(locale.LC_CTYPE), dict(os.environ), logging.getLogger().handlers[:]); "
-            "assert before == after, (before[0], after[0])")
+    code = (
+        "import locale, os, logging; before = (locale.setlocale(locale.LC_CTYPE), dict(os.environ), "
+        "logging.getLogger().handlers[:]); import mmserve, mmserve.settings, mmserve.wire; "
+        "after = (locale.setlocale(locale.LC_CTYPE), dict(os.environ), logging.getLogger().handlers[:]); "
+        "assert before == after, (before[0], after[0])"
+    )
     env = {"PATH": "/usr/bin:/bin", "LANG": "C", "LC_ALL": "C"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)

@@ -130,7 +130,9 @@ def test_tokens_equal_one_worker(service, preprocessor, references):
     prompts = [served_prompt(service, preprocessor, references[n]) for n in names]
     outputs = service.runner.submit(run_concurrently(service.runner, prompts, stagger_s=0.03)).result(600)
     assert len(names) == 12
-    mismatches = {n: (out, references[n].ids) for n, out in zip(names, outputs, strict=True) if out != references[n].ids}
+    mismatches = {
+        n: (out, references[n].ids) for n, out in zip(names, outputs, strict=True) if out != references[n].ids
+    }
     assert not mismatches, f"TP=2 != 1 worker: {mismatches}"
 
 

@@ -19,19 +19,29 @@ RELEASE_NOTE = re.compile(r"\b(?:Triton|tritonserver|on) 2\.5\d\b")
 def test_every_workaround_is_where_it_says():
     keys = [w.key for w in triton_seam.WORKAROUNDS]
     assert len(keys) == len(set(keys)), "workaround keys must be unique"
-    missing = {(w.key, path) for w in triton_seam.WORKAROUNDS for path in w.where
-               if not (ROOT / path).is_file() or w.key not in (ROOT / path).read_text()}
+    missing = {
+        (w.key, path)
+        for w in triton_seam.WORKAROUNDS
+        for path in w.where
+        if not (ROOT / path).is_file() or w.key not in (ROOT / path).read_text()
+    }
     assert not missing, f"these files do not name their workaround (or are gone): {sorted(missing)}"
 
 
 def test_every_note_about_a_triton_release_is_a_listed_workaround():
     listed = {path for w in triton_seam.WORKAROUNDS for path in w.where}
-    sources = [*ROOT.glob("src/**/*.py"), *ROOT.glob("model_repository/**/*.py"),
-               *ROOT.glob("model_repository/**/*.pbtxt")]
-    unlisted = sorted(f"{path.relative_to(ROOT)}:{number}" for path in sources
-                      if str(path.relative_to(ROOT)) not in listed and path.name != "triton_seam.py"
-                      for number, line in enumerate(path.read_text().splitlines(), 1)
-                      if RELEASE_NOTE.search(line))
+    sources = [
+        *ROOT.glob("src/**/*.py"),
+        *ROOT.glob("model_repository/**/*.py"),
+        *ROOT.glob("model_repository/**/*.pbtxt"),
+    ]
+    unlisted = sorted(
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sources
+        if str(path.relative_to(ROOT)) not in listed and path.name != "triton_seam.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if RELEASE_NOTE.search(line)
+    )
     assert not unlisted, f"a workaround for a Triton release outside mmserve.triton_seam: {unlisted}"
 
 

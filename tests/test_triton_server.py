@@ -405,8 +405,14 @@ def test_the_bind_address_is_a_setting(tmp_path: Path) -> None:
     from mmserve_dev.triton import TritonServer
 
     for host in ("127.0.0.1", "0.0.0.0"):
-        server = TritonServer(tmp_path, http_port=1, grpc_port=2, metrics_port=3, cache_dir=tmp_path / "cache",
-                              **({} if host == "127.0.0.1" else {"host": host}))
+        server = TritonServer(
+            tmp_path,
+            http_port=1,
+            grpc_port=2,
+            metrics_port=3,
+            cache_dir=tmp_path / "cache",
+            **({} if host == "127.0.0.1" else {"host": host}),
+        )
         command = server.command()
         for endpoint in ("http", "grpc", "metrics"):
             assert f"--{endpoint}-address={host}" in command

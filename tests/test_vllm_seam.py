@@ -27,8 +27,14 @@ PUBLIC = {
 """``from <module> import <name>`` allowed outside the seam."""
 
 INTERNAL_NAMES = {
-    "MULTIMODAL_REGISTRY", "_maybe_apply_prompt_updates", "_processor_factory", "_validate_mm_kwargs",
-    "engine_core", "parse_model_prompt", "register_processor", "render_cmpl_async",
+    "MULTIMODAL_REGISTRY",
+    "_maybe_apply_prompt_updates",
+    "_processor_factory",
+    "_validate_mm_kwargs",
+    "engine_core",
+    "parse_model_prompt",
+    "register_processor",
+    "render_cmpl_async",
     "supports_mm_device_do_normalize",
 }
 """vLLM internals reached by attribute or name, not by import: only the seam may use them."""
@@ -46,8 +52,11 @@ def vllm_imports(tree: ast.AST) -> Iterator[tuple[int, str, str]]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and _is_vllm(node.module):
             yield from ((node.lineno, node.module, a.name) for a in node.names)  # type: ignore[misc]
         elif (
-            isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str) and _is_vllm(node.args[0].value.split(":")[0])
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and _is_vllm(node.args[0].value.split(":")[0])
             and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__")
         ):
             yield node.lineno, node.args[0].value, ""
@@ -135,8 +144,11 @@ def test_the_import_check_sees_every_form():
         "from .vllm import y\nx = base._processor_factory\n"
     )
     assert sorted(vllm_imports(tree)) == [
-        (1, "vllm.v1.engine", ""), (2, "vllm.multimodal.parse", "X"), (3, "vllm", "SamplingParams"),
-        (5, "vllm.config", "VllmConfig"), (6, "vllm.renderers", ""),
+        (1, "vllm.v1.engine", ""),
+        (2, "vllm.multimodal.parse", "X"),
+        (3, "vllm", "SamplingParams"),
+        (5, "vllm.config", "VllmConfig"),
+        (6, "vllm.renderers", ""),
     ]
     assert list(internal_names(tree)) == [(8, "_processor_factory")]
 

@@ -147,8 +147,12 @@ class Case:
 def make_case(name: str, parts: list[str], seed: int) -> Case:
     from mmserve_dev.samples import encode_audio, encode_image, sample_audio, sample_image
 
-    images = [encode_image(sample_image(seed + i, size=(112 + 28 * (i % 2), 84))) for i, p in enumerate(parts) if p == "image"]
-    audios = [encode_audio(sample_audio(seed + i, seconds=1.0 + 0.5 * (i % 2))) for i, p in enumerate(parts) if p == "audio"]
+    images = [
+        encode_image(sample_image(seed + i, size=(112 + 28 * (i % 2), 84))) for i, p in enumerate(parts) if p == "image"
+    ]
+    audios = [
+        encode_audio(sample_audio(seed + i, seconds=1.0 + 0.5 * (i % 2))) for i, p in enumerate(parts) if p == "audio"
+    ]
     return Case(name, ["Describe it.", "What is this?", "Say more."][seed % 3], images, audios)
 
 
@@ -168,8 +172,13 @@ def make_conversation() -> Case:
         {"role": "assistant", "content": "Colourful stripes."},
         {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "And what do you hear here?"}]},
     ]
-    return Case("conversation", "", [encode_image(sample_image(7, size=(140, 84)))],
-                [encode_audio(sample_audio(7, seconds=1.5))], messages=messages)
+    return Case(
+        "conversation",
+        "",
+        [encode_image(sample_image(7, size=(140, 84)))],
+        [encode_audio(sample_audio(7, seconds=1.5))],
+        messages=messages,
+    )
 
 
 CONVERSATION = make_conversation()
@@ -200,10 +209,14 @@ def compute_references(model: str, engine_args: dict[str, Any]) -> dict[str, Cas
             if case.images:
                 mm["image"] = [Image.open(io.BytesIO(b)).convert("RGB") for b in case.images]
             if case.audios:
-                mm["audio"] = [(soundfile.read(io.BytesIO(b), dtype="float32")[0], AUDIO_SAMPLE_RATE) for b in case.audios]
-            prompt: dict[str, Any] = {"prompt": chat_prompt("qwen2_5_omni", processor, parts) if case.messages is None
-                                      else processor.apply_chat_template(case.messages, add_generation_prompt=True,
-                                                                         tokenize=False)}
+                mm["audio"] = [
+                    (soundfile.read(io.BytesIO(b), dtype="float32")[0], AUDIO_SAMPLE_RATE) for b in case.audios
+                ]
+            prompt: dict[str, Any] = {
+                "prompt": chat_prompt("qwen2_5_omni", processor, parts)
+                if case.messages is None
+                else processor.apply_chat_template(case.messages, add_generation_prompt=True, tokenize=False)
+            }
             if mm:
                 prompt["multi_modal_data"] = mm
             output = engine.generate_sync(prompt, params)
@@ -247,8 +260,12 @@ def http_generate(server: Endpoints, model: str, body: bytes | dict[str, Any]) -
     import requests
 
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    reply = requests.post(f"http://{server.http}/v2/models/{model}/generate", data=data, timeout=120,
-                          headers={"Content-Type": "application/json"})
+    reply = requests.post(
+        f"http://{server.http}/v2/models/{model}/generate",
+        data=data,
+        timeout=120,
+        headers={"Content-Type": "application/json"},
+    )
     try:
         return reply.status_code, reply.json()
     except ValueError:
@@ -272,9 +289,18 @@ class Tracked:
         self.finals = 0
         self.errors: list[str] = []
         request = _get_inference_request(
-            model_name=model, inputs=grpc_inputs(tensors), model_version="", request_id=request_id,
-            outputs=None, sequence_id=0, sequence_start=False, sequence_end=False, priority=0, timeout=None,
-            parameters=None)
+            model_name=model,
+            inputs=grpc_inputs(tensors),
+            model_version="",
+            request_id=request_id,
+            outputs=None,
+            sequence_id=0,
+            sequence_start=False,
+            sequence_end=False,
+            priority=0,
+            timeout=None,
+            parameters=None,
+        )
         request.parameters["triton_enable_empty_final_response"].bool_param = True
         self._channel = grpc.insecure_channel(server.grpc)
         self._stream = service_pb2_grpc.GRPCInferenceServiceStub(self._channel).ModelStreamInfer(iter([request]))
@@ -303,8 +329,11 @@ class Tracked:
 def long_generation(stream: bool, max_tokens: int = 3000) -> dict[str, np.ndarray]:
     """``mm_ensemble`` tensors of a request that runs ``max_tokens`` unless stopped."""
     params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-    return {"text_input": np.array([b"Count."], dtype=object), "stream": np.array([stream]),
-            "sampling_parameters": np.array([json.dumps(params).encode()], dtype=object)}
+    return {
+        "text_input": np.array([b"Count."], dtype=object),
+        "stream": np.array([stream]),
+        "sampling_parameters": np.array([json.dumps(params).encode()], dtype=object),
+    }
 
 
 # -- server state ---------------------------------------------------------------------------------
@@ -344,12 +373,18 @@ def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.
     return True
 
 
-ENGINE_FIGURES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds_count",
-                  "vllm:request_success_total", "vllm:generation_tokens_total")
+ENGINE_FIGURES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:request_success_total",
+    "vllm:generation_tokens_total",
+)
 
 
-def start_held(server: Endpoints, model: str, requests: dict[str, dict[str, np.ndarray]],
-               timeout: float = 60, tries: int = 3) -> list[Tracked]:
+def start_held(
+    server: Endpoints, model: str, requests: dict[str, dict[str, np.ndarray]], timeout: float = 60, tries: int = 3
+) -> list[Tracked]:
     """Start ``requests`` (request id → inputs) on ``model``, then wait until the engine holds every
     one: the gauges count them running or scheduled next, or the counters show as many more first
     tokens and no request finished. A try in which a request finished on its own first (on a busy
@@ -359,17 +394,24 @@ def start_held(server: Endpoints, model: str, requests: dict[str, dict[str, np.n
     running, waiting, first_tokens, finished, _ = ENGINE_FIGURES
     for attempt in range(tries):
         before = metrics(server, *ENGINE_FIGURES)
-        tracked = [Tracked(server, model, inputs, request_id if attempt == 0 else f"{request_id}-try{attempt}")
-                   for request_id, inputs in requests.items()]
+        tracked = [
+            Tracked(server, model, inputs, request_id if attempt == 0 else f"{request_id}-try{attempt}")
+            for request_id, inputs in requests.items()
+        ]
         seen: list[tuple[float, ...]] = []
         started = time.monotonic()
 
-        def held(before: dict[str, float] = before, tracked: list[Tracked] = tracked,
-                 seen: list[tuple[float, ...]] = seen, started: float = started) -> bool:
+        def held(
+            before: dict[str, float] = before,
+            tracked: list[Tracked] = tracked,
+            seen: list[tuple[float, ...]] = seen,
+            started: float = started,
+        ) -> bool:
             now = metrics(server, *ENGINE_FIGURES)
             seen.append((round(time.monotonic() - started, 1), *(now[name] for name in ENGINE_FIGURES)))
-            return (now[running] + now[waiting] >= len(tracked)
-                    or (now[first_tokens] - before[first_tokens] >= len(tracked) and now[finished] == before[finished]))
+            return now[running] + now[waiting] >= len(tracked) or (
+                now[first_tokens] - before[first_tokens] >= len(tracked) and now[finished] == before[finished]
+            )
 
         def settled(tracked: list[Tracked] = tracked) -> bool:  # held, or a request already ended
             return any(r.finals for r in tracked) or held()
@@ -382,18 +424,22 @@ def start_held(server: Endpoints, model: str, requests: dict[str, dict[str, np.n
         break
     states = [(r.request_id, r.responses, r.finals, r.errors) for r in tracked]
     log = server.server.log_tail() if server.server is not None else "(an external server)"
-    raise AssertionError(f"{len(tracked)} requests not all held by the engine (try {attempt + 1} of {tries}, "
-                         f"{timeout} s each): figures (s, {', '.join(ENGINE_FIGURES)}) before {before}, then "
-                         f"every 2 s {seen[::10]}; requests (id, responses, finals, errors) {states}; the "
-                         f"server's log:\n{log}")
+    raise AssertionError(
+        f"{len(tracked)} requests not all held by the engine (try {attempt + 1} of {tries}, "
+        f"{timeout} s each): figures (s, {', '.join(ENGINE_FIGURES)}) before {before}, then "
+        f"every 2 s {seen[::10]}; requests (id, responses, finals, errors) {states}; the "
+        f"server's log:\n{log}"
+    )
 
 
-def generated_after_cancel(server: Endpoints, start: Callable[[], Generation], *, max_tokens: int,
-                           tries: int = 3) -> list[tuple[float, float]]:
+def generated_after_cancel(
+    server: Endpoints, start: Callable[[], Generation], *, max_tokens: int, tries: int = 3
+) -> list[tuple[float, float]]:
     """``start()`` a request (``MMClient.start``) of ``max_tokens``, cancel it once generation runs;
     per try, (tokens generated when the cancel returned, tokens generated in all once the engine
     is idle). A try whose request had finished by then proves nothing and is tried again (up to
     ``tries``): on a busy 2-core machine a process can stall for seconds while the engine runs on."""
+
     def generated() -> float:
         return metric(server, "vllm:generation_tokens_total")
 
@@ -501,6 +547,10 @@ def fake_pb_utils() -> types.ModuleType:
     module.InferenceResponse = FakeResponse  # type: ignore[attr-defined]
     module.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1  # type: ignore[attr-defined]
     module.get_input_tensor_by_name = lambda request, name: request.get(name)  # type: ignore[attr-defined]
-    module.Logger = types.SimpleNamespace(**{name: lambda message: None  # type: ignore[attr-defined]
-                                            for name in ("log_info", "log_warn", "log_error", "log_verbose")})
+    module.Logger = types.SimpleNamespace(
+        **{
+            name: lambda message: None  # type: ignore[attr-defined]
+            for name in ("log_info", "log_warn", "log_error", "log_verbose")
+        }
+    )
     return module

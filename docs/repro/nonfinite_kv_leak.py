@@ -31,18 +31,30 @@ def main() -> None:
     processor = AutoProcessor.from_pretrained(model)
 
     def chat(content: list[dict]) -> str:
-        return processor.apply_chat_template([{"role": "user", "content": content}],
-                                            add_generation_prompt=True, tokenize=False)
+        return processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
 
-    llm = LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, seed=0,
-              limit_mm_per_prompt={"audio": 1, "image": 0})
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=2048,
+        enforce_eager=True,
+        seed=0,
+        limit_mm_per_prompt={"audio": 1, "image": 0},
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     short = [chat([{"type": "text", "text": t}]) for t in ("Hi.", "Tell me more.", "What is this?")]
 
     before = [o.outputs[0].token_ids for o in llm.generate(short, greedy)]
     nan_clip = np.full(16_000, np.nan, dtype=np.float32)
-    poisoned = llm.generate({"prompt": chat([{"type": "audio"}, {"type": "text", "text": "Listen."}]),
-                             "multi_modal_data": {"audio": [(nan_clip, 16_000)]}}, greedy)
+    poisoned = llm.generate(
+        {
+            "prompt": chat([{"type": "audio"}, {"type": "text", "text": "Listen."}]),
+            "multi_modal_data": {"audio": [(nan_clip, 16_000)]},
+        },
+        greedy,
+    )
     after = [llm.generate(p, greedy)[0].outputs[0].token_ids for p in short]
 
     print("NaN-audio request :", list(poisoned[0].outputs[0].token_ids))

@@ -115,8 +115,16 @@ class MMClient:
         timeout: seconds to wait for each response before giving up (``ClientError``).
     """
 
-    def __init__(self, url: str, protocol: str = "grpc", *, entry: str = ENSEMBLE, direct: bool = False,
-                 model: str | Path | None = None, timeout: float = 600.0):
+    def __init__(
+        self,
+        url: str,
+        protocol: str = "grpc",
+        *,
+        entry: str = ENSEMBLE,
+        direct: bool = False,
+        model: str | Path | None = None,
+        timeout: float = 600.0,
+    ):
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol must be 'grpc' or 'http', not {protocol!r}")
         if direct and protocol != "grpc":
@@ -132,14 +140,22 @@ class MMClient:
             self._preprocessor = Preprocessor(model)
 
     # -- public API ----------------------------------------------------------------------------
-    def stream(self, text: str = "", images: Sequence[Media] = (), audios: Sequence[Media] = (),
-               **options: Any) -> Iterator[str]:
+    def stream(
+        self, text: str = "", images: Sequence[Media] = (), audios: Sequence[Media] = (), **options: Any
+    ) -> Iterator[str]:
         """Yield text deltas as the server streams them."""
         for response in self._responses(text, images, audios, stream=True, **options):
             yield response.text
 
-    def generate(self, text: str = "", images: Sequence[Media] = (), audios: Sequence[Media] = (), *,
-                 stream: bool = False, **options: Any) -> Result:
+    def generate(
+        self,
+        text: str = "",
+        images: Sequence[Media] = (),
+        audios: Sequence[Media] = (),
+        *,
+        stream: bool = False,
+        **options: Any,
+    ) -> Result:
         """Generate to completion; with ``stream`` the deltas are joined.
 
         ``messages=`` (here, in ``stream`` and ``start``): a whole conversation instead of ``text``;
@@ -154,8 +170,16 @@ class MMClient:
                 result.num_output_tokens = (result.num_output_tokens or 0) + response.num_output_tokens
         return result
 
-    def start(self, text: str = "", images: Sequence[Media] = (), audios: Sequence[Media] = (), *,
-              stream: bool = True, messages: Messages | None = None, **options: Any) -> Generation:
+    def start(
+        self,
+        text: str = "",
+        images: Sequence[Media] = (),
+        audios: Sequence[Media] = (),
+        *,
+        stream: bool = True,
+        messages: Messages | None = None,
+        **options: Any,
+    ) -> Generation:
         """Send a request (gRPC) and return at once: iterate the ``Generation`` for its responses (a
         ``Result`` per delta; one in all without ``stream``), or ``cancel()`` it from any thread."""
         if self.protocol != "grpc":
@@ -172,8 +196,9 @@ class MMClient:
         with ``direct``) over a gRPC stream; see ``start``."""
         if self.protocol != "grpc":
             raise ValueError("tensors travel over gRPC: use protocol='grpc'")
-        return Generation(self.url, model or (LLM if self.direct else self.entry), grpc_inputs(tensors),
-                          timeout=self.timeout)
+        return Generation(
+            self.url, model or (LLM if self.direct else self.entry), grpc_inputs(tensors), timeout=self.timeout
+        )
 
     def infer_tensors(self, tensors: Mapping[str, np.ndarray], *, model: str) -> dict[str, np.ndarray]:
         """One plain gRPC infer of a non-decoupled ``model`` (``preprocess``): its outputs by name."""
@@ -197,8 +222,9 @@ class MMClient:
         """Sampling options (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ...) without Nones."""
         return {k: v for k, v in options.items() if v is not None}
 
-    def _options(self, stream: bool, *, exclude_input_in_output: bool = True, apply_chat_template: bool = True,
-                 **sampling: Any) -> tuple[dict[str, Any], dict[str, bool], bool]:
+    def _options(
+        self, stream: bool, *, exclude_input_in_output: bool = True, apply_chat_template: bool = True, **sampling: Any
+    ) -> tuple[dict[str, Any], dict[str, bool], bool]:
         """(sampling parameters, the request's flags, apply_chat_template) of a request's options."""
         flags = {
             "stream": stream,
@@ -208,24 +234,45 @@ class MMClient:
         }  # not num_output_tokens: a tensor in every response for len(output_ids) (``Result``)
         return self.sampling_parameters(**sampling), flags, apply_chat_template
 
-    def _responses(self, text: str, images: Sequence[Media], audios: Sequence[Media], *, stream: bool,
-                   messages: Messages | None = None, **options: Any) -> Iterator[Result]:
+    def _responses(
+        self,
+        text: str,
+        images: Sequence[Media],
+        audios: Sequence[Media],
+        *,
+        stream: bool,
+        messages: Messages | None = None,
+        **options: Any,
+    ) -> Iterator[Result]:
         if self.protocol == "http":
             yield from self._http(text, images, audios, *self._options(stream, **options), messages)
         else:
             with self.start(text, images, audios, stream=stream, messages=messages, **options) as generation:
                 yield from generation
 
-    def _tensors(self, text: str, images: Sequence[Media], audios: Sequence[Media],
-                 apply_chat_template: bool, messages: Messages | None = None) -> dict[str, np.ndarray]:
+    def _tensors(
+        self,
+        text: str,
+        images: Sequence[Media],
+        audios: Sequence[Media],
+        apply_chat_template: bool,
+        messages: Messages | None = None,
+    ) -> dict[str, np.ndarray]:
         conversation = None if messages is None else _messages_json(messages)
         if self._preprocessor is not None:
-            processed = self._preprocessor(text, [_read(m) for m in images], [_read(m) for m in audios],
-                                           apply_chat_template=apply_chat_template, messages=conversation)
+            processed = self._preprocessor(
+                text,
+                [_read(m) for m in images],
+                [_read(m) for m in audios],
+                apply_chat_template=apply_chat_template,
+                messages=conversation,
+            )
             processed["text_input"] = np.array([text.encode()], dtype=np.object_)
             return processed
-        tensors = {"text_input": np.array([text.encode()], dtype=np.object_),
-                   "apply_chat_template": np.array([apply_chat_template])}
+        tensors = {
+            "text_input": np.array([text.encode()], dtype=np.object_),
+            "apply_chat_template": np.array([apply_chat_template]),
+        }
         if conversation is not None:
             tensors["messages"] = np.array([conversation.encode()], dtype=np.object_)
             if not text:
@@ -240,8 +287,12 @@ class MMClient:
     def _http(self, text, images, audios, params, flags, apply_chat_template, messages=None) -> Iterator[Result]:
         import requests
 
-        body: dict[str, Any] = {"text_input": text, "apply_chat_template": apply_chat_template,
-                                "sampling_parameters": json.dumps(params), **flags}
+        body: dict[str, Any] = {
+            "text_input": text,
+            "apply_chat_template": apply_chat_template,
+            "sampling_parameters": json.dumps(params),
+            **flags,
+        }
         if messages is not None:
             body["messages"] = _messages_json(messages)
             if not text:
@@ -261,7 +312,7 @@ class MMClient:
             for line in reply.iter_lines():  # bytes: json reads them as UTF-8 (requests would guess Latin-1)
                 if not line.startswith(b"data:"):
                     continue
-                event = json.loads(line[len(b"data:"):])
+                event = json.loads(line[len(b"data:") :])
                 if "error" in event:
                     raise ClientError(event["error"])
                 yield _result_from_json(event)
@@ -276,8 +327,16 @@ class Generation:
     left early) cancels the request unless it ended (its final response, or an error, came).
     """
 
-    def __init__(self, url: str, model: str, inputs: list[Any], *, timeout: float = 600.0,
-                 request_id: str | None = None, llm: str = LLM) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        inputs: list[Any],
+        *,
+        timeout: float = 600.0,
+        request_id: str | None = None,
+        llm: str = LLM,
+    ) -> None:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
@@ -293,8 +352,7 @@ class Generation:
         self._ended = threading.Event()  # the request's final response (or error) arrived
         try:
             self._client.start_stream(callback=self._on_answer)
-            self._client.async_stream_infer(model, inputs, request_id=self.request_id,
-                                            enable_empty_final_response=True)
+            self._client.async_stream_infer(model, inputs, request_id=self.request_id, enable_empty_final_response=True)
         except InferenceServerException as exc:  # the stream broke first: its callback has why
             try:
                 _, cause = self._answers.get(timeout=5)
@@ -331,8 +389,12 @@ class Generation:
         finished = self._finished or self._ended.is_set()
         if not finished:
             try:
-                client.async_stream_infer(self.llm, grpc_inputs(cancel_tensors(self.request_id)),
-                                          request_id=self._cancel_id, enable_empty_final_response=True)
+                client.async_stream_infer(
+                    self.llm,
+                    grpc_inputs(cancel_tensors(self.request_id)),
+                    request_id=self._cancel_id,
+                    enable_empty_final_response=True,
+                )
                 sent = True
             except Exception:  # noqa: BLE001 - the stream broke: a stream of its own, below
                 sent = False
@@ -403,8 +465,12 @@ def cancel_on_engine(url: str, request_id: str, *, llm: str = LLM, timeout: floa
     client = grpcclient.InferenceServerClient(url)
     try:
         client.start_stream(callback=on_answer)
-        client.async_stream_infer(llm, grpc_inputs(cancel_tensors(request_id)), request_id=f"{request_id}.cancel",
-                                  enable_empty_final_response=True)
+        client.async_stream_infer(
+            llm,
+            grpc_inputs(cancel_tensors(request_id)),
+            request_id=f"{request_id}.cancel",
+            enable_empty_final_response=True,
+        )
         return answered.wait(timeout) and outcome[0] is None
     except Exception:  # noqa: BLE001 - best effort: the server may be gone; the stream was cancelled anyway
         return False

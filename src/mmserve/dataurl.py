@@ -29,8 +29,10 @@ def b64decode(data: str | bytes, what: str = "the data") -> bytes:
         raw = pybase64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):  # whitespace fails validation: drop it, then try once more
         try:
-            raw = pybase64.b64decode(data.translate(None, b" \t\r\n\v\f") if isinstance(data, bytes)
-                                     else "".join(data.split()), validate=True)
+            raw = pybase64.b64decode(
+                data.translate(None, b" \t\r\n\v\f") if isinstance(data, bytes) else "".join(data.split()),
+                validate=True,
+            )
         except (binascii.Error, ValueError):
             raise DataURLError(f"{what} is not valid base64") from None
     if not raw:

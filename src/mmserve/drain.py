@@ -42,8 +42,10 @@ def drain(url: str, grace_s: float = GRACE_S, *, llm: str = LLM, answer_margin_s
             errors.append(error)
         answered.set()
 
-    tensors: dict[str, np.ndarray] = {"input_ids": np.zeros(0, dtype=np.int64),
-                                      "drain": np.array([grace_s], dtype=np.float32)}
+    tensors: dict[str, np.ndarray] = {
+        "input_ids": np.zeros(0, dtype=np.int64),
+        "drain": np.array([grace_s], dtype=np.float32),
+    }
     client = grpcclient.InferenceServerClient(url)
     try:
         client.start_stream(callback=on_answer)
@@ -62,8 +64,12 @@ def drain(url: str, grace_s: float = GRACE_S, *, llm: str = LLM, answer_margin_s
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mmserve.drain", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="127.0.0.1:8001", help="Triton's gRPC endpoint (default %(default)s)")
-    parser.add_argument("--grace-s", type=float, default=GRACE_S,
-                        help="how long the generations in flight may still run (default %(default)s)")
+    parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=GRACE_S,
+        help="how long the generations in flight may still run (default %(default)s)",
+    )
     parser.add_argument("--llm-model-name", default=LLM, help="the model running the engine (default %(default)s)")
     args = parser.parse_args(argv)
     ok = drain(args.url, args.grace_s, llm=args.llm_model_name)

@@ -112,10 +112,15 @@ def public_error(exc: BaseException, *, context: str = "") -> ServiceError:
     traceback is logged with an incident id, and the client gets an ``InternalError`` naming the id.
     """
     if isinstance(exc, ServiceError):
-        kind = next(k for k in (InputError, UnavailableError, CancelledError, InternalError, ServiceError)
-                    if isinstance(exc, k))
+        kind = next(
+            k for k in (InputError, UnavailableError, CancelledError, InternalError, ServiceError) if isinstance(exc, k)
+        )
         return kind(scrub(str(exc)))
     incident = uuid.uuid4().hex[:12]
-    logger.error("internal error %s%s", incident, f" ({context})" if context else "",
-                 exc_info=(type(exc), exc, exc.__traceback__))
+    logger.error(
+        "internal error %s%s",
+        incident,
+        f" ({context})" if context else "",
+        exc_info=(type(exc), exc, exc.__traceback__),
+    )
     return InternalError(f"internal error (incident {incident}); the server log has the detail")

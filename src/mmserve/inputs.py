@@ -75,9 +75,7 @@ def engine_kwargs(model: str | Path, **overrides: Any) -> dict[str, Any]:
     return kwargs
 
 
-def processed_multi_modal_data(
-    family: FamilySpec, tensors: Mapping[str, Any]
-) -> dict[str, dict[str, Any]]:
+def processed_multi_modal_data(family: FamilySpec, tensors: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Group the HF processor's feature tensors by modality, as the pass-through parser takes them.
 
     A modality whose tensors are absent or empty (zero items) is left out. Tensors that belong to no
@@ -91,9 +89,7 @@ def processed_multi_modal_data(
     return data
 
 
-def processed_prompt(
-    family: FamilySpec, input_ids: Sequence[int] | Any, tensors: Mapping[str, Any]
-) -> dict[str, Any]:
+def processed_prompt(family: FamilySpec, input_ids: Sequence[int] | Any, tensors: Mapping[str, Any]) -> dict[str, Any]:
     """A vLLM ``TokensPrompt`` for expanded ``input_ids`` and the processor's feature tensors."""
     ids = input_ids.tolist() if hasattr(input_ids, "tolist") else list(input_ids)
     if ids and isinstance(ids[0], list):  # a batch of one, as HF processors return it

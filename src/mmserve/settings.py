@@ -30,7 +30,8 @@ class EnvVar:
 
 # -- serving (the Triton models, the image) --------------------------------------------------------
 MODEL = EnvVar(
-    "MMSERVE_MODEL", None,
+    "MMSERVE_MODEL",
+    None,
     "checkpoint directory to serve, over `model` in mm_llm/model.json; preprocess and mm_llm alike "
     "(`scripts/serve.sh --model DIR` sets it)",
     "mmserve.inputs.resolve_model",
@@ -38,41 +39,63 @@ MODEL = EnvVar(
 
 # -- development tooling (mmserve_dev, tests, benchmarks, scripts) --------------------------------
 CACHE_DIR = EnvVar(
-    "MMSERVE_CACHE_DIR", None,
+    "MMSERVE_CACHE_DIR",
+    None,
     "where the CPU launcher lays out tritonserver's Python backend (`<dir>/triton`; default "
     "`$XDG_CACHE_HOME/mmserve/triton`, else `~/.cache/mmserve/triton`)",
     "mmserve_dev.triton.install",
 )
 MODELS_DIR = EnvVar(
-    "MMSERVE_MODELS_DIR", None,
+    "MMSERVE_MODELS_DIR",
+    None,
     "where the tests build and find the tiny checkpoints (default: `models/` in the repository)",
     "tests/conftest.py",
 )
 TRITON_GRPC_URL = EnvVar(
-    "MMSERVE_TRITON_GRPC_URL", None,
+    "MMSERVE_TRITON_GRPC_URL",
+    None,
     "run the live tests against this running server (`host:port`, e.g. a container) instead of starting one",
     "tests/conftest.py",
 )
 TRITON_HTTP_URL = EnvVar(
-    "MMSERVE_TRITON_HTTP_URL", None, "that server's HTTP endpoint (`host:port`); its HTTP tests skip without it",
+    "MMSERVE_TRITON_HTTP_URL",
+    None,
+    "that server's HTTP endpoint (`host:port`); its HTTP tests skip without it",
     "tests/conftest.py",
 )
 TRITON_METRICS_URL = EnvVar(
-    "MMSERVE_TRITON_METRICS_URL", None, "that server's metrics endpoint (`host:port`); its metrics tests skip "
-    "without it", "tests/conftest.py",
+    "MMSERVE_TRITON_METRICS_URL",
+    None,
+    "that server's metrics endpoint (`host:port`); its metrics tests skip without it",
+    "tests/conftest.py",
 )
 VENV = EnvVar(
-    "MMSERVE_VENV", None, "the project's virtual environment (default: `.venv` in the repository)",
+    "MMSERVE_VENV",
+    None,
+    "the project's virtual environment (default: `.venv` in the repository)",
     "scripts/setup_env.sh, scripts/test.sh, scripts/serve.sh, tests (perf_analyzer)",
 )
 PYTHON = EnvVar(
-    "MMSERVE_PYTHON", None, "the interpreter the venv is built from (default: python3.11, else python3; "
-    "must be 3.11)", "scripts/setup_env.sh",
+    "MMSERVE_PYTHON",
+    None,
+    "the interpreter the venv is built from (default: python3.11, else python3; must be 3.11)",
+    "scripts/setup_env.sh",
 )
 TORCH_SPEC = EnvVar(
-    "MMSERVE_TORCH_SPEC", "torch==2.13.0+cpu", "the torch requirement the venv installs", "scripts/setup_env.sh",
+    "MMSERVE_TORCH_SPEC",
+    "torch==2.13.0+cpu",
+    "the torch requirement the venv installs",
+    "scripts/setup_env.sh",
 )
 
 ALL: tuple[EnvVar, ...] = (
-    MODEL, CACHE_DIR, MODELS_DIR, TRITON_GRPC_URL, TRITON_HTTP_URL, TRITON_METRICS_URL, VENV, PYTHON, TORCH_SPEC,
+    MODEL,
+    CACHE_DIR,
+    MODELS_DIR,
+    TRITON_GRPC_URL,
+    TRITON_HTTP_URL,
+    TRITON_METRICS_URL,
+    VENV,
+    PYTHON,
+    TORCH_SPEC,
 )

@@ -43,14 +43,16 @@ WORKAROUNDS = (
         "ERROR_CODE_TAG",
         "the error code of a decoupled model's response is lost: gRPC stream responses carry only the "
         "message, the HTTP generate endpoints answer 400 for every model error",
-        "every error message starts with its code, '[UNAVAILABLE] ...'; clients read it back "
-        "(mmserve.wire.code_of)",
-        ("src/mmserve/wire.py", "src/mmserve/serving/triton.py", "src/mmserve/client.py",
-         "src/mmserve/gateway/errors.py"),
+        "every error message starts with its code, '[UNAVAILABLE] ...'; clients read it back (mmserve.wire.code_of)",
+        (
+            "src/mmserve/wire.py",
+            "src/mmserve/serving/triton.py",
+            "src/mmserve/client.py",
+            "src/mmserve/gateway/errors.py",
+        ),
         "the code still travels as Triton's status where a release carries it; the tag is a prefix of the "
         "message and is read the same way",
-        "HTTP: 2.52 maps model error codes to statuses (HttpCodeFromError); gRPC stream responses: "
-        + UNVERIFIED,
+        "HTTP: 2.52 maps model error codes to statuses (HttpCodeFromError); gRPC stream responses: " + UNVERIFIED,
     ),
     Workaround(
         "NO_POLL_AFTER_FINAL",
@@ -90,8 +92,7 @@ WORKAROUNDS = (
     Workaround(
         "READ_STREAM_TO_END",
         "closing a stream whose request Triton is completing crashes tritonserver",
-        "the gateway reads a finished request's stream to its end (the empty final response) before it "
-        "closes it",
+        "the gateway reads a finished request's stream to its end (the empty final response) before it closes it",
         ("src/mmserve/gateway/app.py",),
         "one more response read per request, sent by Triton anyway",
     ),
@@ -127,8 +128,7 @@ WORKAROUNDS = (
         ("tools/mmserve_dev/triton/numpy2_compat.py",),
         "under NumPy 1 it does nothing; NGC's images build their stubs with a newer pybind11 and never "
         "load it (the image does not use the launcher)",
-        "not needed by NGC's images (the Dockerfile's base); needed by every nvidia-pytriton wheel "
-        "tested (0.7.0)",
+        "not needed by NGC's images (the Dockerfile's base); needed by every nvidia-pytriton wheel tested (0.7.0)",
     ),
 )
 """Every Triton-release workaround of the project (``tests/test_triton_seam.py``)."""

@@ -119,22 +119,41 @@ _SIGNATURES = {
     ("vllm.multimodal.processing", "BaseProcessingInfo", "get_tokenizer"): ("self",),
     ("vllm.multimodal.processing", "BaseMultiModalProcessor", "apply"): ("self", "inputs", "timing_ctx"),
     ("vllm.multimodal.processing", "BaseMultiModalProcessor", "_maybe_apply_prompt_updates"): (
-        "self", "mm_items", "mm_res",
+        "self",
+        "mm_items",
+        "mm_res",
     ),
     ("vllm.multimodal.processing", "BaseMultiModalProcessor", "_validate_mm_kwargs"): (
-        "self", "mm_kwargs", "mm_item_counts",
+        "self",
+        "mm_kwargs",
+        "mm_item_counts",
     ),
     ("vllm.multimodal.processing.processor", "PlaceholderFeaturesInfo", "__init__"): (
-        "self", "modality", "item_idx", "start_idx", "tokens", "is_embed",
+        "self",
+        "modality",
+        "item_idx",
+        "start_idx",
+        "tokens",
+        "is_embed",
     ),
     ("vllm.multimodal.parse", "DictEmbeddingItems", "__init__"): (
-        "self", "data", "modality", "required_fields", "fields_factory", "optional_fields",
+        "self",
+        "data",
+        "modality",
+        "required_fields",
+        "fields_factory",
+        "optional_fields",
     ),
     ("vllm.multimodal", "MULTIMODAL_REGISTRY", "register_processor"): ("processor", "info", "dummy_inputs"),
     ("vllm.renderers.inputs.preprocess", "parse_model_prompt", None): ("model_config", "prompt"),
     ("vllm.v1.metrics.loggers", "StatLoggerManager", "__init__"): (
-        "self", "vllm_config", "engine_idxs", "custom_stat_loggers", "enable_default_loggers",
-        "aggregate_engine_logging", "client_count",
+        "self",
+        "vllm_config",
+        "engine_idxs",
+        "custom_stat_loggers",
+        "enable_default_loggers",
+        "aggregate_engine_logging",
+        "client_count",
     ),
 }
 
@@ -366,9 +385,9 @@ def derive_model_class(
         (base,),
         {"__module__": module, "__doc__": doc, "supports_mm_device_do_normalize": normalize_on_device},
     )
-    return MULTIMODAL_REGISTRY.register_processor(
-        processor_cls, info=info_cls, dummy_inputs=stock.dummy_inputs
-    )(model_cls)
+    return MULTIMODAL_REGISTRY.register_processor(processor_cls, info=info_cls, dummy_inputs=stock.dummy_inputs)(
+        model_cls
+    )
 
 
 __all__ = [

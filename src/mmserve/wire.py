@@ -54,11 +54,20 @@ def _flag(name: str, meaning: str) -> TensorSpec:
 
 
 # ------------------------------------------------------------------------------------- requests
-TEXT_INPUT = TensorSpec("text_input", "object", (1,), "the prompt (UTF-8); required unless messages. mm_llm "
-                        "echoes it before the output unless exclude_input_in_output")
-MESSAGES = TensorSpec("messages", "object", (1,), "a whole conversation instead of text_input: a UTF-8 JSON "
-                      "array of chat messages whose media parts refer, in order, to image and the audio clips "
-                      "(docs/tensors.md)")
+TEXT_INPUT = TensorSpec(
+    "text_input",
+    "object",
+    (1,),
+    "the prompt (UTF-8); required unless messages. mm_llm echoes it before the output unless exclude_input_in_output",
+)
+MESSAGES = TensorSpec(
+    "messages",
+    "object",
+    (1,),
+    "a whole conversation instead of text_input: a UTF-8 JSON "
+    "array of chat messages whose media parts refer, in order, to image and the audio clips "
+    "(docs/tensors.md)",
+)
 RAW_MEDIA_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("image", "object", ("images",), "encoded image files (PNG, JPEG, ...) or data: URLs"),
     TensorSpec("audio", "object", ("clips",), "encoded audio files (WAV, FLAC, MP3, ...) or data: URLs"),
@@ -70,8 +79,9 @@ PREPROCESS_INPUTS: tuple[TensorSpec, ...] = (TEXT_INPUT, *RAW_MEDIA_INPUTS, MESS
 """What ``preprocess`` takes: one raw request (a prompt in ``text_input``, or a conversation in ``messages``)."""
 
 STREAM = _flag("stream", "one response per generated delta (default false: one response)")
-SAMPLING_PARAMETERS = TensorSpec("sampling_parameters", "object", (1,),
-                                 "vLLM SamplingParams as a JSON object (mmserve.serving.sampling)")
+SAMPLING_PARAMETERS = TensorSpec(
+    "sampling_parameters", "object", (1,), "vLLM SamplingParams as a JSON object (mmserve.serving.sampling)"
+)
 FLAG_INPUTS: tuple[TensorSpec, ...] = (
     STREAM,
     _flag("exclude_input_in_output", "leave text_input out of a non-streamed text_output"),
@@ -86,11 +96,21 @@ GENERATION_INPUTS: tuple[TensorSpec, ...] = (STREAM, SAMPLING_PARAMETERS, *FLAG_
 """How to generate: what ``mm_llm`` takes beside the prompt (in this order in the configs)."""
 PUBLIC_INPUTS: tuple[TensorSpec, ...] = (*PREPROCESS_INPUTS, *GENERATION_INPUTS)
 """What ``mm_ensemble`` takes."""
-CANCEL = TensorSpec("cancel", "object", (1,), "a control request to mm_llm: cancel the request in flight "
-                    "whose Triton request id this is (mmserve.client.cancel_tensors)")
-DRAIN = TensorSpec("drain", "float32", (1,), "a control request to mm_llm before a stop: refuse new requests, "
-                   "give those in flight this many seconds, then end them UNAVAILABLE; answered once none is "
-                   "in flight (mmserve.drain)")
+CANCEL = TensorSpec(
+    "cancel",
+    "object",
+    (1,),
+    "a control request to mm_llm: cancel the request in flight "
+    "whose Triton request id this is (mmserve.client.cancel_tensors)",
+)
+DRAIN = TensorSpec(
+    "drain",
+    "float32",
+    (1,),
+    "a control request to mm_llm before a stop: refuse new requests, "
+    "give those in flight this many seconds, then end them UNAVAILABLE; answered once none is "
+    "in flight (mmserve.drain)",
+)
 
 # ------------------------------------------------------------------------------------ responses
 OUTPUTS: tuple[TensorSpec, ...] = (
@@ -114,8 +134,7 @@ def names(specs: tuple[TensorSpec, ...]) -> tuple[str, ...]:
 CODES = ("INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL")
 TAG = re.compile(r"\[(" + "|".join(CODES) + r")\] ")
 """The tag in a message; not always at its start (Triton's ensemble prefixes "in ensemble '...', ")."""
-TRITON_UNAVAILABLE = ("unknown model", "has no available versions", "is not ready", "unloading",
-                      "Server is stopping")
+TRITON_UNAVAILABLE = ("unknown model", "has no available versions", "is not ready", "unloading", "Server is stopping")
 """What Triton says (code INTERNAL or NOT_FOUND) of a model that is not loaded or being (un)loaded."""
 
 

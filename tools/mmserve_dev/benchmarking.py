@@ -21,6 +21,7 @@ from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
+
 class NoReuseEncoderCacheManager(EncoderCacheManager):
     """vLLM 0.32's encoder cache without reuse across requests.
 

@@ -63,13 +63,11 @@ def chat_prompt(family_name: str, processor, parts: Sequence[str], *, system: st
     content: list[dict[str, Any]] = []
     for part in parts:
         if part.startswith("text:"):
-            content.append({"type": "text", "text": part[len("text:"):]})
+            content.append({"type": "text", "text": part[len("text:") :]})
         elif part in supported:
             content.append({"type": part})
         else:
-            raise ValueError(
-                f"{family_name} does not take a {part!r} part (expected text:... or {sorted(supported)})"
-            )
+            raise ValueError(f"{family_name} does not take a {part!r} part (expected text:... or {sorted(supported)})")
     messages: list[dict[str, Any]] = []
     if system is not None:
         messages.append({"role": "system", "content": system})
@@ -114,9 +112,7 @@ class HFReference:
         # weights randomly initialized): refuse it. Talker / token2wav weights are not the thinker's.
         missing = sorted(info.get("missing_keys") or [])
         mismatched = sorted(str(k) for k in info.get("mismatched_keys") or [])
-        unexpected = sorted(
-            k for k in info.get("unexpected_keys") or [] if not k.startswith(("talker.", "token2wav."))
-        )
+        unexpected = sorted(k for k in info.get("unexpected_keys") or [] if not k.startswith(("talker.", "token2wav.")))
         if missing or mismatched or unexpected:
             raise RuntimeError(
                 f"{family_name} checkpoint at {self.path} did not load cleanly: missing={missing[:8]} "

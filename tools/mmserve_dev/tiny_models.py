@@ -113,20 +113,45 @@ ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 
 SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {
     "qwen2_5_vl": (
-        ENDOFTEXT, IM_START, IM_END,
-        "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
-        "<|quad_start|>", "<|quad_end|>",
-        "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+        ENDOFTEXT,
+        IM_START,
+        IM_END,
+        "<|object_ref_start|>",
+        "<|object_ref_end|>",
+        "<|box_start|>",
+        "<|box_end|>",
+        "<|quad_start|>",
+        "<|quad_end|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|vision_pad|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
     ),
     "qwen2_audio": (
-        ENDOFTEXT, IM_START, IM_END,
-        "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>",
+        ENDOFTEXT,
+        IM_START,
+        IM_END,
+        "<|AUDIO|>",
+        "<|audio_bos|>",
+        "<|audio_eos|>",
     ),
     "qwen2_5_omni": (
-        ENDOFTEXT, IM_START, IM_END,
-        "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>",
-        "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
-        "<|vision_bos|>", "<|vision_eos|>", "<|vision_pad|>", "<|IMAGE|>", "<|VIDEO|>",
+        ENDOFTEXT,
+        IM_START,
+        IM_END,
+        "<|AUDIO|>",
+        "<|audio_bos|>",
+        "<|audio_eos|>",
+        "<|box_start|>",
+        "<|box_end|>",
+        "<|quad_start|>",
+        "<|quad_end|>",
+        "<|vision_bos|>",
+        "<|vision_eos|>",
+        "<|vision_pad|>",
+        "<|IMAGE|>",
+        "<|VIDEO|>",
     ),
 }
 
@@ -186,29 +211,25 @@ CHAT_TEMPLATES: dict[str, str] = {
     "qwen2_5_vl": (
         "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
         + _TEMPLATE_HEAD
-        + "{% if " + _IS_IMAGE + " %}"
+        + "{% if "
+        + _IS_IMAGE
+        + " %}"
         "{% set image_count.value = image_count.value + 1 %}"
         "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
         "<|vision_start|><|image_pad|><|vision_end|>"
         "{% elif " + _IS_VIDEO + " %}"
         "{% set video_count.value = video_count.value + 1 %}"
         "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
-        "<|vision_start|><|video_pad|><|vision_end|>"
-        + _TEMPLATE_TAIL
+        "<|vision_start|><|video_pad|><|vision_end|>" + _TEMPLATE_TAIL
     ),
     "qwen2_audio": (
-        "{% set audio_count = namespace(value=0) %}"
-        + _TEMPLATE_HEAD
-        + "{% if " + _IS_AUDIO + " %}"
+        "{% set audio_count = namespace(value=0) %}" + _TEMPLATE_HEAD + "{% if " + _IS_AUDIO + " %}"
         "{% set audio_count.value = audio_count.value + 1 %}"
-        "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n"
-        + _TEMPLATE_TAIL
+        "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n" + _TEMPLATE_TAIL
     ),
     "qwen2_5_omni": (
         "{% set audio_count = namespace(value=0) %}{% set image_count = namespace(value=0) %}"
-        "{% set video_count = namespace(value=0) %}"
-        + _TEMPLATE_HEAD
-        + "{% if " + _IS_IMAGE + " %}"
+        "{% set video_count = namespace(value=0) %}" + _TEMPLATE_HEAD + "{% if " + _IS_IMAGE + " %}"
         "{% set image_count.value = image_count.value + 1 %}"
         "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
         "<|vision_bos|><|IMAGE|><|vision_eos|>"
@@ -219,8 +240,7 @@ CHAT_TEMPLATES: dict[str, str] = {
         "{% elif " + _IS_VIDEO + " %}"
         "{% set video_count.value = video_count.value + 1 %}"
         "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
-        "<|vision_bos|><|VIDEO|><|vision_eos|>"
-        + _TEMPLATE_TAIL
+        "<|vision_bos|><|VIDEO|><|vision_eos|>" + _TEMPLATE_TAIL
     ),
 }
 
@@ -344,11 +364,7 @@ def build_tokenizer(family_name: str):
         extra_special_tokens=dict(TOKENIZER_TOKEN_ATTRIBUTES[family_name]),
     )
     tokenizer.add_special_tokens(
-        {
-            "extra_special_tokens": [
-                AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS[family_name]
-            ]
-        },
+        {"extra_special_tokens": [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS[family_name]]},
         replace_extra_special_tokens=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATES[family_name]
@@ -515,9 +531,7 @@ def build_processor(family_name: str, tokenizer):
             chat_template=template,
         )
     if family_name == "qwen2_audio":
-        return Qwen2AudioProcessor(
-            feature_extractor=feature_extractor(), tokenizer=tokenizer, chat_template=template
-        )
+        return Qwen2AudioProcessor(feature_extractor=feature_extractor(), tokenizer=tokenizer, chat_template=template)
     if family_name == "qwen2_5_omni":
         return Qwen2_5OmniProcessor(
             image_processor=image_processor(),
@@ -628,11 +642,14 @@ class _Marker:
     seed: int
 
     def dumps(self) -> str:
-        return json.dumps(
-            {"family": self.family_name, "builder_version": self.builder_version, "seed": self.seed},
-            indent=2,
-            sort_keys=True,
-        ) + "\n"
+        return (
+            json.dumps(
+                {"family": self.family_name, "builder_version": self.builder_version, "seed": self.seed},
+                indent=2,
+                sort_keys=True,
+            )
+            + "\n"
+        )
 
 
 def is_built(family_name: str, out_dir: Path, *, seed: int = 0) -> bool:
@@ -731,11 +748,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mmserve_dev.tiny_models", description="Build tiny random-weight checkpoints."
     )
+    parser.add_argument("--out", type=Path, default=DEFAULT_ROOT, help=f"root directory (default {DEFAULT_ROOT})")
     parser.add_argument(
-        "--out", type=Path, default=DEFAULT_ROOT, help=f"root directory (default {DEFAULT_ROOT})"
-    )
-    parser.add_argument(
-        "--family", dest="family_name", action="append", choices=FAMILY_NAMES, help="family to build (repeatable; default all)"
+        "--family",
+        dest="family_name",
+        action="append",
+        choices=FAMILY_NAMES,
+        help="family to build (repeatable; default all)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")

@@ -56,12 +56,16 @@ class TritonPythonModel:
         )
         self.model_name = args["model_name"]
         config = LLMConfig.from_file(os.path.join(args["model_repository"], "model.json"))
-        self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]},
-                                     inter_token_latency=flag(params, "report_inter_token_latency"))
+        self.metrics = TritonMetrics(
+            pb_utils,
+            {"model": args["model_name"], "version": args["model_version"]},
+            inter_token_latency=flag(params, "report_inter_token_latency"),
+        )
         stat_logger = functools.partial(TritonStatLogger, metrics=self.metrics, on_record=self._progress)
         flush_ms = float(params.get("stream_flush_ms", STREAM_FLUSH_MS))
-        self.service = LLMService.start(config, stat_loggers=[stat_logger], health=health, on_failure=self._unload,
-                                        stream_flush_ms=flush_ms)
+        self.service = LLMService.start(
+            config, stat_loggers=[stat_logger], health=health, on_failure=self._unload, stream_flush_ms=flush_ms
+        )
         self.family = self.service.family
         freeze_startup_heap()
 
@@ -84,8 +88,12 @@ class TritonPythonModel:
             pb_utils.unload_model(self.model_name)
             logger.warning("unloading %s after an engine failure (%s)", self.model_name, reason)
         except Exception as exc:  # noqa: BLE001 - e.g. --model-control-mode none: no self-healing
-            logger.error("could not unload %s (%s): it answers UNAVAILABLE until tritonserver restarts; "
-                         "self-healing needs --model-control-mode=explicit", self.model_name, exc)
+            logger.error(
+                "could not unload %s (%s): it answers UNAVAILABLE until tritonserver restarts; "
+                "self-healing needs --model-control-mode=explicit",
+                self.model_name,
+                exc,
+            )
 
     def execute(self, requests):
         for request in requests:
@@ -99,8 +107,9 @@ class TritonPythonModel:
                     continue
                 drain = get("drain")
                 if drain is not None and drain.size:
-                    threading.Thread(target=self._drain, args=(float(drain.reshape(-1)[0]), sink),
-                                     name="mm_llm-drain", daemon=True).start()
+                    threading.Thread(
+                        target=self._drain, args=(float(drain.reshape(-1)[0]), sink), name="mm_llm-drain", daemon=True
+                    ).start()
                     continue
                 parsed = parse_request(self.family, get, vocab_size=self.service.vocab_size)
             except Exception as exc:  # noqa: BLE001 - every failure is answered (triton_error scrubs it)

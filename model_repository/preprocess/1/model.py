@@ -58,8 +58,12 @@ class TritonPythonModel:
         instances = sum(group.get("count", 1) for group in model_config.get("instance_group", [])) or 1
         threads = threads_per_instance(config.get("torch_threads"), instances)
         torch.set_num_threads(threads)
-        logger.info("%s: %d torch thread(s) per instance, %d instance(s)", args.get("model_instance_name", "preprocess"),
-                    threads, instances)
+        logger.info(
+            "%s: %d torch thread(s) per instance, %d instance(s)",
+            args.get("model_instance_name", "preprocess"),
+            threads,
+            instances,
+        )
         engine = read_engine_config(os.path.join(args["model_repository"], config.get("engine_config") or ""))
         self.preprocessor = Preprocessor(
             engine["model"],

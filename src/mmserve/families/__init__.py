@@ -36,6 +36,12 @@ def register_family(family: FamilySpec) -> None:
 
 
 __all__ = [
-    "DEFAULT_FAMILY", "FAMILIES", "FamilySpec", "FieldSpec", "ModalitySpec",
-    "family_for_architecture", "get_family", "register_family",
+    "DEFAULT_FAMILY",
+    "FAMILIES",
+    "FamilySpec",
+    "FieldSpec",
+    "ModalitySpec",
+    "family_for_architecture",
+    "get_family",
+    "register_family",
 ]

@@ -41,6 +41,8 @@ def non_finite_count(tensor: torch.Tensor) -> int:
             return 0
         return int(np.count_nonzero(~np.isfinite(array)))
     return int((~torch.isfinite(tensor)).sum())
+
+
 """One tensor of a modality, as the HF processor outputs it for all items of a request."""
 
 

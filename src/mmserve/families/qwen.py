@@ -56,26 +56,32 @@ class QwenVisionImage(ModalitySpec):
         patch_dim, merge = self._vision(hf_config)
         if grid.shape[1] != 3 or grid.shape[0] == 0:
             raise ProcessedInputError(
-                "image", field="image_grid_thw", expected="shape (images >= 1, 3)",
+                "image",
+                field="image_grid_thw",
+                expected="shape (images >= 1, 3)",
                 found=f"shape {tuple(grid.shape)}",
             )
         for index, (t, h, w) in enumerate(grid.tolist()):
             if min(t, h, w) <= 0 or h % merge or w % merge:
                 raise ProcessedInputError(
-                    "image", item=index, field="image_grid_thw",
+                    "image",
+                    item=index,
+                    field="image_grid_thw",
                     expected=f"positive (t, h, w) with h and w multiples of spatial_merge_size={merge}",
                     found=f"({t}, {h}, {w})",
                 )
         if pixel_values.shape[1] != patch_dim:
             raise ProcessedInputError(
-                "image", field="pixel_values",
+                "image",
+                field="pixel_values",
                 expected=f"{patch_dim} values per patch (the vision tower's patch size)",
                 found=f"shape {tuple(pixel_values.shape)}",
             )
         patches = int(grid.prod(-1).sum())
         if pixel_values.shape[0] != patches:
             raise ProcessedInputError(
-                "image", field="pixel_values",
+                "image",
+                field="pixel_values",
                 expected=f"{patches} patches (sum of t*h*w over image_grid_thw)",
                 found=f"{pixel_values.shape[0]} rows",
             )
@@ -84,9 +90,7 @@ class QwenVisionImage(ModalitySpec):
         from mmserve.vllm_seam import MultiModalFieldConfig
 
         return {
-            "pixel_values": MultiModalFieldConfig.flat_from_sizes(
-                "image", data["image_grid_thw"].prod(-1)
-            ),
+            "pixel_values": MultiModalFieldConfig.flat_from_sizes("image", data["image_grid_thw"].prod(-1)),
             "image_grid_thw": MultiModalFieldConfig.batched("image"),
         }
 
@@ -141,43 +145,53 @@ class WhisperAudio(ModalitySpec):
         audio = hf_config.audio_config
         clips, mel_bins, frames = features.shape
         if clips == 0:
-            raise ProcessedInputError(
-                "audio", field="input_features", expected="at least one clip", found="0 clips"
-            )
+            raise ProcessedInputError("audio", field="input_features", expected="at least one clip", found="0 clips")
         if mel_bins != audio.num_mel_bins:
             raise ProcessedInputError(
-                "audio", field="input_features",
-                expected=f"{audio.num_mel_bins} mel bins", found=f"shape {tuple(features.shape)}",
+                "audio",
+                field="input_features",
+                expected=f"{audio.num_mel_bins} mel bins",
+                found=f"shape {tuple(features.shape)}",
             )
         max_frames = 2 * audio.max_source_positions
         if self.fixed_frames and frames != max_frames:
             raise ProcessedInputError(
-                "audio", field="input_features",
+                "audio",
+                field="input_features",
                 expected=f"{max_frames} frames per clip (padded as the feature extractor does)",
                 found=f"shape {tuple(features.shape)}",
             )
         if tuple(mask.shape) != (clips, frames):
             raise ProcessedInputError(
-                "audio", field="feature_attention_mask",
+                "audio",
+                field="feature_attention_mask",
                 expected=f"shape {(clips, frames)} (clips, frames of input_features)",
                 found=f"shape {tuple(mask.shape)}",
             )
         if not bool(((mask == 0) | (mask == 1)).all()):
             raise ProcessedInputError(
-                "audio", field="feature_attention_mask", expected="only 0 and 1",
+                "audio",
+                field="feature_attention_mask",
+                expected="only 0 and 1",
                 found=f"values {sorted(set(mask.unique().tolist()))[:6]}",
             )
         lengths = mask.sum(-1).tolist()
         for index, length in enumerate(lengths):
             if not bool(mask[index, :length].all()):
                 raise ProcessedInputError(
-                    "audio", item=index, field="feature_attention_mask",
-                    expected="a prefix of ones followed by zeros", found="ones after a zero",
+                    "audio",
+                    item=index,
+                    field="feature_attention_mask",
+                    expected="a prefix of ones followed by zeros",
+                    found="ones after a zero",
                 )
             if whisper_output_length(length) <= 0 or length > max_frames:
                 raise ProcessedInputError(
-                    "audio", item=index, field="feature_attention_mask",
-                    expected=f"between 2 and {max_frames} valid frames", found=f"{length}",
+                    "audio",
+                    item=index,
+                    field="feature_attention_mask",
+                    expected=f"between 2 and {max_frames} valid frames",
+                    found=f"{length}",
                 )
 
     def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
@@ -236,8 +250,11 @@ class WhisperAudio(ModalitySpec):
         frames = int(np.asarray(mask).sum(-1).max())
         if frames <= 0 or frames >= features.shape[-1]:
             return dict(data)
-        return {**data, "input_features": np.ascontiguousarray(features[..., :frames]),
-                "feature_attention_mask": np.ascontiguousarray(mask[..., :frames])}
+        return {
+            **data,
+            "input_features": np.ascontiguousarray(features[..., :frames]),
+            "feature_attention_mask": np.ascontiguousarray(mask[..., :frames]),
+        }
 
 
 def _find_audio_config(config: Mapping[str, Any]) -> Mapping[str, Any] | None:

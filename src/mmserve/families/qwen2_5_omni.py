@@ -7,8 +7,6 @@ QWEN2_5_OMNI = FamilySpec(
     name="qwen2_5_omni",
     stock_architectures=("Qwen2_5OmniModel", "Qwen2_5OmniForConditionalGeneration"),
     passthrough_architecture="MMServePassthroughQwen2_5OmniThinker",
-    vllm_model=(
-        "vllm.model_executor.models.qwen2_5_omni_thinker:Qwen2_5OmniThinkerForConditionalGeneration"
-    ),
+    vllm_model=("vllm.model_executor.models.qwen2_5_omni_thinker:Qwen2_5OmniThinkerForConditionalGeneration"),
     modalities=(QwenVisionImage("<|IMAGE|>"), WhisperAudio("<|AUDIO|>", fixed_frames=False)),
 )

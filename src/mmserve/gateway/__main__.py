@@ -15,30 +15,53 @@ that comes with a stop ends them first."""
 
 def main(argv: Sequence[str] | None = None) -> int:
     defaults = GatewayConfig()
-    parser = argparse.ArgumentParser(prog="python -m mmserve.gateway",
-                                     description="OpenAI-compatible chat API in front of a Triton server (gRPC).")
+    parser = argparse.ArgumentParser(
+        prog="python -m mmserve.gateway", description="OpenAI-compatible chat API in front of a Triton server (gRPC)."
+    )
     parser.add_argument("--triton-url", default=defaults.triton_url, help="Triton's gRPC endpoint, host:port")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a container)")
     parser.add_argument("--port", type=int, default=9000)
-    parser.add_argument("--model-name", default=DEFAULT_MODEL,
-                        help="the Triton model requests go to (default: %(default)s)")
-    parser.add_argument("--llm-model-name", default=defaults.llm_model,
-                        help="the model running the engine behind it, where a cancelled request is cancelled "
-                             "too (default: %(default)s)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the name clients pass as `model` and /v1/models lists (default: --model-name)")
-    parser.add_argument("--allow-remote-media", action="store_true",
-                        help="fetch http(s) image URLs (off: data: URLs only; the gateway would fetch any URL a "
-                             "client names)")
-    parser.add_argument("--media-max-bytes", type=int, default=defaults.media_max_bytes,
-                        help="largest image or audio item, decoded or fetched")
-    parser.add_argument("--media-timeout-s", type=float, default=defaults.media_timeout_s,
-                        help="time limit of one remote fetch")
-    parser.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
-                        help="largest request body (media travel in it as base64)")
-    parser.add_argument("--response-timeout-s", type=float, default=defaults.response_timeout_s,
-                        help="the longest wait for Triton's next response on a request, then the request is "
-                             "cancelled and answered 504 (0: no limit)")
+    parser.add_argument(
+        "--model-name", default=DEFAULT_MODEL, help="the Triton model requests go to (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--llm-model-name",
+        default=defaults.llm_model,
+        help="the model running the engine behind it, where a cancelled request is cancelled "
+        "too (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as `model` and /v1/models lists (default: --model-name)",
+    )
+    parser.add_argument(
+        "--allow-remote-media",
+        action="store_true",
+        help="fetch http(s) image URLs (off: data: URLs only; the gateway would fetch any URL a client names)",
+    )
+    parser.add_argument(
+        "--media-max-bytes",
+        type=int,
+        default=defaults.media_max_bytes,
+        help="largest image or audio item, decoded or fetched",
+    )
+    parser.add_argument(
+        "--media-timeout-s", type=float, default=defaults.media_timeout_s, help="time limit of one remote fetch"
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=defaults.max_request_bytes,
+        help="largest request body (media travel in it as base64)",
+    )
+    parser.add_argument(
+        "--response-timeout-s",
+        type=float,
+        default=defaults.response_timeout_s,
+        help="the longest wait for Triton's next response on a request, then the request is "
+        "cancelled and answered 504 (0: no limit)",
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = parser.parse_args(argv)
 
@@ -46,13 +69,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from mmserve.gateway.app import create_app
 
-    config = GatewayConfig(triton_url=args.triton_url, model=args.model_name, llm_model=args.llm_model_name,
-                           served_model_name=args.served_model_name, allow_remote_media=args.allow_remote_media,
-                           media_max_bytes=args.media_max_bytes, media_timeout_s=args.media_timeout_s,
-                           max_request_bytes=args.max_request_bytes,
-                           response_timeout_s=args.response_timeout_s or None)
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    config = GatewayConfig(
+        triton_url=args.triton_url,
+        model=args.model_name,
+        llm_model=args.llm_model_name,
+        served_model_name=args.served_model_name,
+        allow_remote_media=args.allow_remote_media,
+        media_max_bytes=args.media_max_bytes,
+        media_timeout_s=args.media_timeout_s,
+        max_request_bytes=args.max_request_bytes,
+        response_timeout_s=args.response_timeout_s or None,
+    )
+    uvicorn.run(
+        create_app(config),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
     return 0
 
 

@@ -63,8 +63,11 @@ class _ClientGone(Exception):
 
 def create_app(config: GatewayConfig, backend: Any = None) -> FastAPI:
     """The app; ``backend`` (default: a ``TritonBackend`` on ``config.triton_url``) for tests."""
-    backend = backend if backend is not None else TritonBackend(config.triton_url, config.model,
-                                                               config.response_timeout_s, llm=config.llm_model)
+    backend = (
+        backend
+        if backend is not None
+        else TritonBackend(config.triton_url, config.model, config.response_timeout_s, llm=config.llm_model)
+    )
     fetcher = MediaFetcher(config.media_max_bytes, config.media_timeout_s) if config.allow_remote_media else None
     created = int(time.time())
 
@@ -122,8 +125,12 @@ def create_app(config: GatewayConfig, backend: Any = None) -> FastAPI:
 
 
 def _model_not_found(model: str, config: GatewayConfig) -> APIError:
-    return APIError(404, f"the model {model!r} does not exist; this server serves {config.name!r}",
-                    param="model", code="model_not_found")
+    return APIError(
+        404,
+        f"the model {model!r} does not exist; this server serves {config.name!r}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 async def _read_json(request: Request, limit: int) -> Any:
@@ -176,6 +183,7 @@ async def _chat(request: Request, config: GatewayConfig, backend: Any, fetcher: 
     answer = _Answer(chat, completion_id, config.name)
     try:
         if not chat.stream:
+
             async def collect() -> dict[str, Any]:
                 async for delta in deltas:
                     answer.add(delta)
@@ -189,8 +197,11 @@ async def _chat(request: Request, config: GatewayConfig, backend: Any, fetcher: 
     if first is None:
         await deltas.aclose()
         raise internal("the model's stream ended without a response")
-    return EventStream(_events(answer, first, deltas), media_type="text/event-stream",
-                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return EventStream(
+        _events(answer, first, deltas),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 async def _next(deltas: AsyncGenerator[Delta, None]) -> Delta | None:
@@ -231,35 +242,56 @@ class _Answer:
         return entries
 
     def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
 
     def completion(self) -> dict[str, Any]:
         if self.finish_reason is None:
             raise internal("the model's responses ended without a finish reason")
         return {
-            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
             "system_fingerprint": None,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(self.text), "refusal": None},
-                "logprobs": {"content": self.logprobs, "refusal": None} if self.chat.logprobs else None,
-                "finish_reason": self.finish_reason,
-                **({"token_ids": self.token_ids} if self.chat.return_token_ids else {}),
-            }],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(self.text), "refusal": None},
+                    "logprobs": {"content": self.logprobs, "refusal": None} if self.chat.logprobs else None,
+                    "finish_reason": self.finish_reason,
+                    **({"token_ids": self.token_ids} if self.chat.return_token_ids else {}),
+                }
+            ],
             "usage": self.usage(),
         }
 
-    def chunk(self, delta: dict[str, Any], *, finish_reason: str | None = None,
-              logprobs: list[dict[str, Any]] | None = None, token_ids: list[int] | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "delta": delta,
-                                  "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
-                                  "finish_reason": finish_reason}
+    def chunk(
+        self,
+        delta: dict[str, Any],
+        *,
+        finish_reason: str | None = None,
+        logprobs: list[dict[str, Any]] | None = None,
+        token_ids: list[int] | None = None,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+            "finish_reason": finish_reason,
+        }
         if token_ids is not None:
             choice["token_ids"] = token_ids
         chunk: dict[str, Any] = {
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-            "system_fingerprint": None, "choices": [choice],
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": [choice],
         }
         if self.include_usage:
             chunk["usage"] = None
@@ -310,8 +342,17 @@ async def _events(answer: _Answer, first: Delta, deltas: AsyncGenerator[Delta, N
         if answer.finish_reason is None:
             raise internal("the model's stream ended without a finish reason")
         if answer.include_usage:
-            yield _sse({"id": answer.id, "object": "chat.completion.chunk", "created": answer.created,
-                        "model": answer.model, "system_fingerprint": None, "choices": [], "usage": answer.usage()})
+            yield _sse(
+                {
+                    "id": answer.id,
+                    "object": "chat.completion.chunk",
+                    "created": answer.created,
+                    "model": answer.model,
+                    "system_fingerprint": None,
+                    "choices": [],
+                    "usage": answer.usage(),
+                }
+            )
         yield _sse("[DONE]")
     except APIError as exc:
         yield _sse(exc.body())
@@ -330,6 +371,7 @@ class EventStream(StreamingResponse):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             async with anyio.create_task_group() as group:
+
                 async def stream() -> None:
                     with contextlib.suppress(OSError):  # the connection broke while sending
                         await self.stream_response(send)

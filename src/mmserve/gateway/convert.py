@@ -70,12 +70,16 @@ def image_source(url: str, param: str, remote: bool) -> bytes | str:
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme in ("http", "https"):
         if not remote:
-            raise invalid(f"{param}: remote image URLs are disabled on this server (its operator may enable "
-                          "them: --allow-remote-media); send the image as a data: URL", param=param,
-                          code="remote_media_disabled")
+            raise invalid(
+                f"{param}: remote image URLs are disabled on this server (its operator may enable "
+                "them: --allow-remote-media); send the image as a data: URL",
+                param=param,
+                code="remote_media_disabled",
+            )
         return url
-    raise invalid(f"{param}: expected a data: URL (or http(s) when enabled), found scheme {scheme or 'none'!r}",
-                  param=param)
+    raise invalid(
+        f"{param}: expected a data: URL (or http(s) when enabled), found scheme {scheme or 'none'!r}", param=param
+    )
 
 
 def audio_bytes(data: str, param: str) -> bytes:
@@ -85,16 +89,20 @@ def audio_bytes(data: str, param: str) -> bytes:
     return b64decode(data, param, "the audio data")
 
 
-async def conversation(request: ChatCompletionRequest, fetch: Fetch | None = None,
-                       max_bytes: int | None = None) -> Conversation:
+async def conversation(
+    request: ChatCompletionRequest, fetch: Fetch | None = None, max_bytes: int | None = None
+) -> Conversation:
     """The request's messages in ``preprocess``'s form, with the media bytes in order of appearance.
     ``fetch``: how to get a remote image (``None``: remote URLs are refused); ``max_bytes``: the
     largest media item (decoded) taken."""
 
     def bounded(data: bytes, param: str) -> bytes:
         if max_bytes is not None and len(data) > max_bytes:
-            raise invalid(f"{param}: {len(data)} bytes, more than the limit of {max_bytes} (--media-max-bytes)",
-                          param=param, code="media_too_large")
+            raise invalid(
+                f"{param}: {len(data)} bytes, more than the limit of {max_bytes} (--media-max-bytes)",
+                param=param,
+                code="media_too_large",
+            )
         return data
 
     out = Conversation(messages=[])
@@ -137,8 +145,20 @@ def sampling_parameters(request: ChatCompletionRequest) -> dict[str, Any]:
     params: dict[str, Any] = {}
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     params["max_tokens"] = MAX_TOKENS_UNSET if max_tokens is None else max_tokens
-    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "seed", "stop", "logit_bias", "min_tokens", "ignore_eos"):
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "stop",
+        "logit_bias",
+        "min_tokens",
+        "ignore_eos",
+    ):
         value = getattr(request, name)
         if value is not None:
             params[name] = value
@@ -149,6 +169,7 @@ def sampling_parameters(request: ChatCompletionRequest) -> dict[str, Any]:
 
 def request_tensors(request: ChatCompletionRequest, conv: Conversation) -> dict[str, np.ndarray]:
     """The named tensors of the Triton request (``mmserve.wire`` names)."""
+
     def flag(value: bool) -> np.ndarray:
         return np.array([value], dtype=bool)
 
@@ -179,8 +200,9 @@ def _bytes_array(items: Sequence[bytes]) -> np.ndarray:
     return array
 
 
-def openai_logprobs(steps: list[dict[str, dict[str, Any]]], token_ids: Sequence[int],
-                    top_logprobs: int) -> list[dict[str, Any]]:
+def openai_logprobs(
+    steps: list[dict[str, dict[str, Any]]], token_ids: Sequence[int], top_logprobs: int
+) -> list[dict[str, Any]]:
     """mm_llm's ``logprobs`` (per generated token ``{token_id: {logprob, rank, decoded_token}}``: the
     sampled token and the top ``top_logprobs``) -> OpenAI's ``logprobs.content`` entries.
 
@@ -201,7 +223,9 @@ def openai_logprobs(steps: list[dict[str, dict[str, Any]]], token_ids: Sequence[
         info = step.get(str(sampled))
         if info is None:
             raise APIError(500, "the sampled token's logprob is missing", type="server_error", code="internal_error")
-        top = sorted(((k, v) for k, v in step.items() if v.get("rank") is not None and v["rank"] <= top_logprobs),
-                     key=lambda kv: kv[1]["rank"])[:top_logprobs]
+        top = sorted(
+            ((k, v) for k, v in step.items() if v.get("rank") is not None and v["rank"] <= top_logprobs),
+            key=lambda kv: kv[1]["rank"],
+        )[:top_logprobs]
         content.append({**entry(str(sampled), info), "top_logprobs": [entry(k, v) for k, v in top]})
     return content

@@ -35,8 +35,15 @@ logger = logging.getLogger("mmserve.gateway")
 class APIError(Exception):
     """An answer to the client: status, OpenAI error fields."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -59,17 +66,25 @@ def timed_out(message: str) -> APIError:
 def internal(detail: str, exc: BaseException | None = None) -> APIError:
     """A fault of ours or an answer we can't classify: logged under an incident id, not shown."""
     incident = uuid.uuid4().hex[:12]
-    logger.error("internal error %s: %s", incident, detail,
-                 exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None)
-    return APIError(500, f"internal error (incident {incident}); the gateway log has the detail",
-                    type="server_error", code="internal_error")
+    logger.error(
+        "internal error %s: %s",
+        incident,
+        detail,
+        exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None,
+    )
+    return APIError(
+        500,
+        f"internal error (incident {incident}); the gateway log has the detail",
+        type="server_error",
+        code="internal_error",
+    )
 
 
 def from_triton(message: str) -> APIError:
     """An error response of the Triton model (its message as the model wrote it)."""
     code = code_of(message)
     tag = TAG.search(message)
-    text = message[tag.end():] if tag else message  # the tag is Triton's transport, not the client's
+    text = message[tag.end() :] if tag else message  # the tag is Triton's transport, not the client's
     if code == "INVALID_ARG":
         return invalid(text)
     if code in ("UNAVAILABLE", "CANCELLED"):  # CANCELLED by the server: shutting down

@@ -25,8 +25,11 @@ class MediaFetcher:
         try:
             async with self._session.get(url, allow_redirects=True, max_redirects=3) as reply:
                 if reply.status != 200:
-                    raise invalid(f"{param}: fetching the image answered HTTP {reply.status}", param=param,
-                                  code="media_fetch_failed")
+                    raise invalid(
+                        f"{param}: fetching the image answered HTTP {reply.status}",
+                        param=param,
+                        code="media_fetch_failed",
+                    )
                 if (reply.content_length or 0) > self.max_bytes:
                     raise self._too_large(param)
                 data = bytearray()
@@ -35,18 +38,25 @@ class MediaFetcher:
                     if len(data) > self.max_bytes:
                         raise self._too_large(param)
         except TimeoutError:
-            raise invalid(f"{param}: fetching the image took longer than {self.timeout_s:g} s", param=param,
-                          code="media_fetch_failed") from None
+            raise invalid(
+                f"{param}: fetching the image took longer than {self.timeout_s:g} s",
+                param=param,
+                code="media_fetch_failed",
+            ) from None
         except aiohttp.ClientError as exc:
-            raise invalid(f"{param}: fetching the image failed ({type(exc).__name__})", param=param,
-                          code="media_fetch_failed") from None
+            raise invalid(
+                f"{param}: fetching the image failed ({type(exc).__name__})", param=param, code="media_fetch_failed"
+            ) from None
         if not data:
             raise invalid(f"{param}: the image at the URL is empty", param=param, code="media_fetch_failed")
         return bytes(data)
 
     def _too_large(self, param: str):
-        return invalid(f"{param}: the image is larger than {self.max_bytes} bytes (--media-max-bytes)", param=param,
-                       code="media_too_large")
+        return invalid(
+            f"{param}: the image is larger than {self.max_bytes} bytes (--media-max-bytes)",
+            param=param,
+            code="media_too_large",
+        )
 
     async def close(self) -> None:
         if self._session is not None:

@@ -139,9 +139,11 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "parallel_tool_calls": (lambda value: True, ""),  # meaningless without tools: ignored
     "functions": (_default([]), "function calling is not supported by this server"),
     "function_call": (_default("none"), "function calling is not supported by this server"),
-    "response_format": (_default({"type": "text"}),
-                        'structured output (response_format) is not supported by this server; only {"type": "text"}'),
-    "modalities": (_default(["text"]), "this model answers in text only (modalities: [\"text\"])"),
+    "response_format": (
+        _default({"type": "text"}),
+        'structured output (response_format) is not supported by this server; only {"type": "text"}',
+    ),
+    "modalities": (_default(["text"]), 'this model answers in text only (modalities: ["text"])'),
     "audio": (_default(), "audio output is not supported: this model answers in text"),
     "prediction": (_default(), "predicted outputs are not supported by this server"),
     "web_search_options": (_default(), "web search is not supported by this server"),
@@ -170,8 +172,11 @@ def parse_request(body: Any) -> ChatCompletionRequest:
         raise invalid(f"n: only 1 choice per request is served, found {request.n}", param="n", code="unsupported")
     if request.top_logprobs is not None and not request.logprobs:
         raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
-    if (request.max_tokens is not None and request.max_completion_tokens is not None
-            and request.max_tokens != request.max_completion_tokens):
+    if (
+        request.max_tokens is not None
+        and request.max_completion_tokens is not None
+        and request.max_tokens != request.max_completion_tokens
+    ):
         raise invalid("max_tokens and max_completion_tokens differ; give one", param="max_completion_tokens")
     if request.stream_options is not None and not request.stream:
         raise invalid("stream_options is only allowed with stream: true", param="stream_options")
@@ -186,8 +191,12 @@ def _param(loc: tuple[Any, ...], data: Any) -> str:
     missing field)."""
     out = ""
     for n, item in enumerate(loc):
-        if n and isinstance(loc[n - 1], int) and isinstance(data, dict) and item in (data.get("type"),
-                                                                                 data.get("role")):
+        if (
+            n
+            and isinstance(loc[n - 1], int)
+            and isinstance(data, dict)
+            and item in (data.get("type"), data.get("role"))
+        ):
             continue  # the tag of a tagged union, after the index of the item
         if isinstance(item, int):
             out += f"[{item}]"
@@ -209,9 +218,10 @@ def validation_error(exc: ValidationError, data: Any) -> APIError:
         return invalid(f"{param}: required", param=param, code="missing_field")
     message = error["msg"]
     if error["type"] == "union_tag_invalid":
-        message = (f"unsupported {error['ctx']['discriminator'].strip(chr(39))} {error['ctx']['tag']!r}; "
-                   f"expected one of {error['ctx']['expected_tags']}")
+        message = (
+            f"unsupported {error['ctx']['discriminator'].strip(chr(39))} {error['ctx']['tag']!r}; "
+            f"expected one of {error['ctx']['expected_tags']}"
+        )
     elif error["type"] in ("list_type", "string_type") and param.endswith(".content"):
         message = "expected a string or a list of content parts"
     return invalid(f"{param}: {message}" if param else message, param=param or None)
-

@@ -76,7 +76,7 @@ def delta_from_response(response: Any) -> Delta:
         if output.datatype == "BYTES":
             if len(data) < 4:
                 continue
-            first = data[4:4 + int.from_bytes(data[:4], "little")].decode("utf-8")  # Triton's BYTES: length, bytes
+            first = data[4 : 4 + int.from_bytes(data[:4], "little")].decode("utf-8")  # Triton's BYTES: length, bytes
             if name == "text_output":
                 text = first
             elif name == "finish_reason":
@@ -91,9 +91,14 @@ def delta_from_response(response: Any) -> Delta:
                 input_tokens = int(values[0])
             elif name == "num_output_tokens":
                 output_tokens = int(values[0])
-    return Delta(text=text or "", token_ids=ids, finish_reason=finish or None, num_input_tokens=input_tokens,
-                 num_output_tokens=len(ids) if output_tokens is None else output_tokens,
-                 logprobs=None if logprobs is None else json.loads(logprobs))
+    return Delta(
+        text=text or "",
+        token_ids=ids,
+        finish_reason=finish or None,
+        num_input_tokens=input_tokens,
+        num_output_tokens=len(ids) if output_tokens is None else output_tokens,
+        logprobs=None if logprobs is None else json.loads(logprobs),
+    )
 
 
 def _first(result: Any, name: str) -> Any:
@@ -277,8 +282,9 @@ class TritonBackend:
                     async with asyncio.timeout(self.response_timeout_s):
                         message = await queue.get()
                 except TimeoutError:
-                    raise timed_out(f"the model server sent nothing for {self.response_timeout_s:g} s; "
-                                    "the request was cancelled") from None
+                    raise timed_out(
+                        f"the model server sent nothing for {self.response_timeout_s:g} s; the request was cancelled"
+                    ) from None
                 if isinstance(message, _Broken):
                     ended = True  # nothing left to cancel on this stream
                     raise message.error

@@ -17,7 +17,9 @@ from mmserve.families import FAMILIES, FieldSpec
 from mmserve.wire import CANCEL, DRAIN, GENERATION_INPUTS, TEXT_INPUT
 
 INPUT_IDS = FieldSpec(
-    "input_ids", "int64", ("tokens",),
+    "input_ids",
+    "int64",
+    ("tokens",),
     "prompt token ids, chat template applied, every media placeholder already expanded",
 )
 

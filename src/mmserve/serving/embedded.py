@@ -94,8 +94,12 @@ class _TritonLogHandler(logging.Handler):
     def __init__(self, pb_utils: object) -> None:
         super().__init__()
         log = pb_utils.Logger  # type: ignore[attr-defined]
-        self._by_level = ((logging.ERROR, log.log_error), (logging.WARNING, log.log_warn),
-                          (logging.INFO, log.log_info), (logging.NOTSET, log.log_verbose))
+        self._by_level = (
+            (logging.ERROR, log.log_error),
+            (logging.WARNING, log.log_warn),
+            (logging.INFO, log.log_info),
+            (logging.NOTSET, log.log_verbose),
+        )
 
     def emit(self, record: logging.LogRecord) -> None:
         try:

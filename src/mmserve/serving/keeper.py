@@ -32,15 +32,22 @@ logger = logging.getLogger(__name__)
 
 class ModelKeeper:
     """Args:
-        http_url: ``host:port`` of Triton's HTTP endpoint.
-        models: the model to watch, then the models to load with it, in load order.
-        interval_s: how often readiness is checked.
-        grace_s: how long the watched model must stay not ready before it is loaded back.
-        load_timeout_s: how long a load may take (an engine start).
+    http_url: ``host:port`` of Triton's HTTP endpoint.
+    models: the model to watch, then the models to load with it, in load order.
+    interval_s: how often readiness is checked.
+    grace_s: how long the watched model must stay not ready before it is loaded back.
+    load_timeout_s: how long a load may take (an engine start).
     """
 
-    def __init__(self, http_url: str, models: Sequence[str], *, interval_s: float = 0.5, grace_s: float = 1.0,
-                 load_timeout_s: float = 900.0) -> None:
+    def __init__(
+        self,
+        http_url: str,
+        models: Sequence[str],
+        *,
+        interval_s: float = 0.5,
+        grace_s: float = 1.0,
+        load_timeout_s: float = 900.0,
+    ) -> None:
         self.url = http_url
         self.models = list(models)
         self.interval_s, self.grace_s, self.load_timeout_s = interval_s, grace_s, load_timeout_s

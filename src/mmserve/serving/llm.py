@@ -126,8 +126,9 @@ def parse_request(
     if low < 0 or (vocab_size is not None and high >= vocab_size):
         bad = low if low < 0 else high
         where = int(np.flatnonzero(ids == bad)[0])
-        raise RequestError(f"input_ids: expected token ids in [0, {vocab_size or 'vocab size'}), "
-                           f"found {bad} at position {where}")
+        raise RequestError(
+            f"input_ids: expected token ids in [0, {vocab_size or 'vocab size'}), found {bad} at position {where}"
+        )
 
     accepted = {name for spec in family.modalities for name in spec.field_names}
     features: dict[str, np.ndarray] = {}
@@ -136,16 +137,20 @@ def parse_request(
         if value is None or value.size == 0:
             continue
         if spec.name not in accepted:
-            raise RequestError(f"{spec.name}: the {family.name} model takes no such input "
-                               f"(it takes {sorted(accepted)})")
+            raise RequestError(
+                f"{spec.name}: the {family.name} model takes no such input (it takes {sorted(accepted)})"
+            )
         features[spec.name] = value
 
     flags = {}
     for name in FLAG_INPUTS:
         value = get(name)
         flags[name] = bool(value.reshape(-1)[0]) if value is not None and value.size else False
-    sampling = parse_generation_parameters(first_string(get("sampling_parameters"), "sampling_parameters"),
-                                           stream=flags["stream"], logprobs=flags["return_logprobs"])
+    sampling = parse_generation_parameters(
+        first_string(get("sampling_parameters"), "sampling_parameters"),
+        stream=flags["stream"],
+        logprobs=flags["return_logprobs"],
+    )
     return GenerateRequest(
         prompt=processed_prompt(family, ids, features),
         sampling_params=sampling.params,
@@ -201,8 +206,10 @@ def response_tensors(request: GenerateRequest, output: RequestOutput) -> dict[st
         tensors["cumulative_logprob"] = np.array([completion.cumulative_logprob or 0.0], dtype=np.float32)
     if flags["return_logprobs"]:
         logprobs = [
-            {str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-             for token, lp in step.items()}
+            {
+                str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                for token, lp in step.items()
+            }
             for step in (completion.logprobs or [])
         ]
         tensors["logprobs"] = np.array([json.dumps(logprobs).encode()], dtype=np.object_)
@@ -258,9 +265,14 @@ class LLMService:
             finalized crashes tritonserver 2.51: ``mmserve.triton_seam`` NO_UNLOAD_WHILE_FINALIZING).
     """
 
-    def __init__(self, runner: EngineRunner, *, health: HealthConfig | None = None,
-                 on_failure: Callable[[str], None] | None = None,
-                 stream_flush_ms: float = STREAM_FLUSH_MS) -> None:
+    def __init__(
+        self,
+        runner: EngineRunner,
+        *,
+        health: HealthConfig | None = None,
+        on_failure: Callable[[str], None] | None = None,
+        stream_flush_ms: float = STREAM_FLUSH_MS,
+    ) -> None:
         self.runner = runner
         self.stream_flush_ms = stream_flush_ms
         self.family = family_of_checkpoint(runner.engine_args["model"])
@@ -296,15 +308,15 @@ class LLMService:
 
     def _unavailable(self) -> UnavailableError | None:
         if self._failure is not None:
-            return UnavailableError(f"the engine failed ({self._failure}); the model is being restarted, "
-                                    "retry shortly")
+            return UnavailableError(f"the engine failed ({self._failure}); the model is being restarted, retry shortly")
         if self._stopping.is_set() or self._draining.is_set():
             return UnavailableError("the server is stopping; retry on another replica or later")
         return None
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, request: GenerateRequest, sink: ResponseSink, request_id: str, *,
-               client_id: str | None = None) -> None:
+    def submit(
+        self, request: GenerateRequest, sink: ResponseSink, request_id: str, *, client_id: str | None = None
+    ) -> None:
         """Start ``request`` on the engine; responses go to ``sink`` (from the outbox's thread).
 
         ``client_id`` (the caller's own request id) lets ``cancel`` find the request later.
@@ -400,8 +412,11 @@ class LLMService:
             elif last is not None:
                 post(last)
             else:
-                post(functools.partial(sink.send_error,
-                                       public_error(RuntimeError("the engine returned no output"), context=request_id)))
+                post(
+                    functools.partial(
+                        sink.send_error, public_error(RuntimeError("the engine returned no output"), context=request_id)
+                    )
+                )
         except asyncio.CancelledError:  # the service failed or stops: this request can't finish
             post(functools.partial(sink.send_error, self._unavailable() or UnavailableError("the request was stopped")))
             raise
@@ -414,8 +429,9 @@ class LLMService:
         except Exception as exc:  # noqa: BLE001 - the engine's own failure, answered, not raised
             if self.runner.engine is None or self.runner.engine.errored:
                 logger.warning("request %s: the engine failed (%s)", request_id, type(exc).__name__)
-                error = (self._unavailable()
-                         or UnavailableError("the engine failed; the model is being restarted, retry shortly"))
+                error = self._unavailable() or UnavailableError(
+                    "the engine failed; the model is being restarted, retry shortly"
+                )
             else:
                 error = public_error(exc, context=request_id)
             post(functools.partial(sink.send_error, error))

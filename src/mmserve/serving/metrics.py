@@ -48,7 +48,8 @@ class StepStats:
         if iteration_stats is None:
             return cls(running, waiting)
         return cls(
-            running, waiting,
+            running,
+            waiting,
             prompt_tokens=iteration_stats.prompt_token_stats.total,
             generation_tokens=iteration_stats.num_generation_tokens,
             ttfts=tuple(iteration_stats.time_to_first_tokens_iter),
@@ -62,7 +63,8 @@ class StepStats:
         """One update for several steps: the last gauges, the counters summed, every observation."""
         gauges = next((step for step in reversed(steps) if step.running is not None), cls())
         return cls(
-            gauges.running, gauges.waiting,
+            gauges.running,
+            gauges.waiting,
             prompt_tokens=sum(step.prompt_tokens for step in steps),
             generation_tokens=sum(step.generation_tokens for step in steps),
             ttfts=tuple(value for step in steps for value in step.ttfts),
@@ -97,26 +99,36 @@ class TritonMetrics:
         self.generation_tokens = metric(
             "vllm:generation_tokens_total", "Number of generation tokens processed.", family.COUNTER
         )
-        self.requests_success = metric(
-            "vllm:request_success_total", "Number of finished requests.", family.COUNTER
-        )
+        self.requests_success = metric("vllm:request_success_total", "Number of finished requests.", family.COUNTER)
         self.running = metric("vllm:num_requests_running", "Requests running on the engine.", family.GAUGE)
         self.waiting = metric("vllm:num_requests_waiting", "Requests waiting to be scheduled.", family.GAUGE)
         self.time_to_first_token = metric(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            family.HISTOGRAM, buckets=TTFT_BUCKETS,
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            family.HISTOGRAM,
+            buckets=TTFT_BUCKETS,
         )
         self.request_time_per_output_token = metric(
-            "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
-            family.HISTOGRAM, buckets=TPOT_BUCKETS,
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            family.HISTOGRAM,
+            buckets=TPOT_BUCKETS,
         )
-        self.time_per_output_token = metric(
-            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
-            family.HISTOGRAM, buckets=TPOT_BUCKETS,
-        ) if inter_token_latency else None
+        self.time_per_output_token = (
+            metric(
+                "vllm:time_per_output_token_seconds",
+                "Histogram of time per output token in seconds.",
+                family.HISTOGRAM,
+                buckets=TPOT_BUCKETS,
+            )
+            if inter_token_latency
+            else None
+        )
         self.e2e_request_latency = metric(
-            "vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
-            family.HISTOGRAM, buckets=E2E_BUCKETS,
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds.",
+            family.HISTOGRAM,
+            buckets=E2E_BUCKETS,
         )
 
     def post(self, stats: StepStats) -> None:
@@ -166,8 +178,14 @@ class TritonStatLogger(StatLoggerBase):
     """A vLLM V1 stat logger that feeds ``TritonMetrics`` (pass it as a factory with
     ``functools.partial(TritonStatLogger, metrics=...)``)."""
 
-    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0, *, metrics: TritonMetrics,
-                 on_record: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        engine_index: int = 0,
+        *,
+        metrics: TritonMetrics,
+        on_record: Callable[[], None] | None = None,
+    ) -> None:
         self.metrics = metrics
         self.on_record = on_record
 

@@ -239,8 +239,9 @@ EXTENSIONS: dict[str, Converter] = {
 stream's shortest interval between two responses after its first (``mm_llm``'s parameter of the
 same name is the default; 0: one response per engine output)."""
 
-NULLABLE = frozenset({"seed", "max_tokens", "logprobs", "stop", "stop_token_ids", "bad_words",
-                      "allowed_token_ids", "logit_bias"})
+NULLABLE = frozenset(
+    {"seed", "max_tokens", "logprobs", "stop", "stop_token_ids", "bad_words", "allowed_token_ids", "logit_bias"}
+)
 """Fields vLLM types as Optional: JSON null means the default, as if the field were left out
 (for max_tokens that is SamplingParams' 16, not "unbounded")."""
 
@@ -273,19 +274,22 @@ def parse_generation_parameters(text: str | None, *, stream: bool, logprobs: boo
         raise InputError(f"{PREFIX}invalid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise InputError(f"{PREFIX}expected a JSON object, found {type(raw).__name__}")
-    extensions = {name: EXTENSIONS[name](name, value) for name, value in raw.items()
-                  if name in EXTENSIONS and value is not None}
+    extensions = {
+        name: EXTENSIONS[name](name, value) for name, value in raw.items() if name in EXTENSIONS and value is not None
+    }
     raw = {name: value for name, value in raw.items() if name not in EXTENSIONS}
     unknown = sorted(set(raw) - _FIELDS)
     if unknown:
         raise InputError(f"{PREFIX}unknown parameter(s) {unknown}; supported: {sorted({*SUPPORTED, *EXTENSIONS})}")
     unsupported = sorted(set(raw) - set(SUPPORTED))
     if unsupported:
-        raise InputError(f"{PREFIX}parameter(s) {unsupported} not supported by this server; "
-                         f"supported: {sorted(SUPPORTED)}")
+        raise InputError(
+            f"{PREFIX}parameter(s) {unsupported} not supported by this server; supported: {sorted(SUPPORTED)}"
+        )
 
-    kwargs: dict[str, Any] = {name: SUPPORTED[name](name, value) for name, value in raw.items()
-                              if not (value is None and name in NULLABLE)}
+    kwargs: dict[str, Any] = {
+        name: SUPPORTED[name](name, value) for name, value in raw.items() if not (value is None and name in NULLABLE)
+    }
     if kwargs.get("n", 1) != 1:
         raise InputError(f"{PREFIX}n: only 1 completion per request is served, found {kwargs['n']}")
     if logprobs and kwargs.get("logprobs") is None:

@@ -28,8 +28,7 @@ logger = logging.getLogger(__name__)
 def triton_error(pb_utils: Any, exc: BaseException, *, context: str = "") -> Any:
     """``exc`` as a ``pb_utils.TritonError`` fit for the client (see ``mmserve.errors.public_error``)."""
     error = public_error(exc, context=context)
-    return pb_utils.TritonError(tagged(error.triton_code, str(error)),
-                                getattr(pb_utils.TritonError, error.triton_code))
+    return pb_utils.TritonError(tagged(error.triton_code, str(error)), getattr(pb_utils.TritonError, error.triton_code))
 
 
 def error_response(pb_utils: Any, exc: BaseException, *, context: str = "") -> Any:

@@ -33,8 +33,21 @@ GATEWAY_STOP_TIMEOUT_S = 3.0
 
 def start_gateway(server: TritonServer, host: str, port: int) -> subprocess.Popen[bytes]:
     """``python -m mmserve.gateway`` against ``server``, dying with this process; returns once it serves."""
-    cmd = die_with_this_process([sys.executable, "-m", "mmserve.gateway", "--triton-url", server.grpc_url,
-                                 "--host", host, "--port", str(port), "--log-level", "warning"])
+    cmd = die_with_this_process(
+        [
+            sys.executable,
+            "-m",
+            "mmserve.gateway",
+            "--triton-url",
+            server.grpc_url,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ]
+    )
     gateway = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + GATEWAY_START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -69,30 +82,58 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Run tritonserver (CPU, Python backend) in the foreground (on 127.0.0.1 unless --host).",
     )
     parser.add_argument("--model-repository", required=True, action="append", help="may be repeated")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address the endpoints bind (0.0.0.0 in a container; default 127.0.0.1)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address the endpoints bind (0.0.0.0 in a container; default 127.0.0.1)"
+    )
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--openai-port", type=int, default=None,
-                        help="also run the OpenAI gateway (python -m mmserve.gateway) on this port")
+    parser.add_argument(
+        "--openai-port",
+        type=int,
+        default=None,
+        help="also run the OpenAI gateway (python -m mmserve.gateway) on this port",
+    )
     parser.add_argument("--log-verbose", type=int, default=0)
-    parser.add_argument("--log-file", default=None,
-                        help="server log (default: a temporary file; '-': this process's stdout, as in a container)")
+    parser.add_argument(
+        "--log-file",
+        default=None,
+        help="server log (default: a temporary file; '-': this process's stdout, as in a container)",
+    )
     parser.add_argument("--shm-default-byte-size", type=int, default=None)
     parser.add_argument("--backend-config", action="append", default=[], help="BACKEND,KEY=VALUE; may be repeated")
-    parser.add_argument("--model-control-mode", default="explicit", choices=["none", "explicit", "poll"],
-                        help="explicit (default) lets mm_llm reload itself after an engine failure")
+    parser.add_argument(
+        "--model-control-mode",
+        default="explicit",
+        choices=["none", "explicit", "poll"],
+        help="explicit (default) lets mm_llm reload itself after an engine failure",
+    )
     parser.add_argument("--load-model", action="append", default=None, help="explicit mode; default: all")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for readiness")
-    parser.add_argument("--keep-loaded", default="", metavar="MODEL,MODEL",
-                        help="load these back when the first unloads itself after a fault (mmserve.serving.keeper)")
-    parser.add_argument("--drain", default="mm_llm", metavar="MODEL",
-                        help="the model drained first at a stop (mmserve.drain; '' for none; default %(default)s)")
-    parser.add_argument("--drain-grace-s", type=float, default=2.0,
-                        help="how long generations in flight may still run at a stop (default %(default)s)")
-    parser.add_argument("--exit-timeout-s", type=int, default=12,
-                        help="tritonserver's --exit-timeout-secs: the unload's budget after the drain")
+    parser.add_argument(
+        "--keep-loaded",
+        default="",
+        metavar="MODEL,MODEL",
+        help="load these back when the first unloads itself after a fault (mmserve.serving.keeper)",
+    )
+    parser.add_argument(
+        "--drain",
+        default="mm_llm",
+        metavar="MODEL",
+        help="the model drained first at a stop (mmserve.drain; '' for none; default %(default)s)",
+    )
+    parser.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=2.0,
+        help="how long generations in flight may still run at a stop (default %(default)s)",
+    )
+    parser.add_argument(
+        "--exit-timeout-s",
+        type=int,
+        default=12,
+        help="tritonserver's --exit-timeout-secs: the unload's budget after the drain",
+    )
     parser.add_argument("--hint", default="", help="printed once ready; {http} and {grpc} are replaced by the URLs")
     args = parser.parse_args(argv)
 
@@ -135,8 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             gateway = start_gateway(server, args.host, args.openai_port)
             print(f"OpenAI   http://127.0.0.1:{args.openai_port}/v1  (chat completions, models; /health)", flush=True)
         if args.hint:
-            print(args.hint.format(http=server.http_url, grpc=server.grpc_url, openai=args.openai_port),
-                  flush=True)
+            print(args.hint.format(http=server.http_url, grpc=server.grpc_url, openai=args.openai_port), flush=True)
         print("Ctrl-C to stop", flush=True)
         while server.is_running() and (gateway is None or gateway.poll() is None):
             time.sleep(0.5)
@@ -169,9 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         gateway_stopped = time.monotonic()
         server_code = server.stop()
         if server_code is not None:
-            print(f"stopped in {time.monotonic() - started:.1f} s (drain {drained - started:.1f} s, gateway "
-                  f"{gateway_stopped - drained:.1f} s, tritonserver {time.monotonic() - gateway_stopped:.1f} s; "
-                  f"tritonserver's exit code {server_code})", flush=True)
+            print(
+                f"stopped in {time.monotonic() - started:.1f} s (drain {drained - started:.1f} s, gateway "
+                f"{gateway_stopped - drained:.1f} s, tritonserver {time.monotonic() - gateway_stopped:.1f} s; "
+                f"tritonserver's exit code {server_code})",
+                flush=True,
+            )
             code = code or (0 if server_code == 0 else 1)
     return code
 

@@ -23,7 +23,14 @@ from pathlib import Path
 
 from mmserve.settings import CACHE_DIR
 
-__all__ = ["TritonInstall", "TritonServerError", "find_tritonserver", "prepare_backend_dir", "python_libdir", "venv_bin"]
+__all__ = [
+    "TritonInstall",
+    "TritonServerError",
+    "find_tritonserver",
+    "prepare_backend_dir",
+    "python_libdir",
+    "venv_bin",
+]
 
 _PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 _STUB_NAME = "triton_python_backend_stub"

@@ -116,7 +116,7 @@ def _describe(pids: Iterable[int]) -> str:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 data = f.read()
-            described.append(f"{pid} ({data[data.find('(') + 1:data.rfind(')')]}, {data[data.rfind(')') + 2]})")
+            described.append(f"{pid} ({data[data.find('(') + 1 : data.rfind(')')]}, {data[data.rfind(')') + 2]})")
         except OSError:
             described.append(f"{pid} (gone)")
     return ", ".join(described)

@@ -54,8 +54,9 @@ class ControlTokens:
             processor's own media tokens), the tokens the sentinel must never be.
     """
 
-    def __init__(self, tokenizer: Any, placeholders: Collection[str], template_text: str,
-                 reserved: Iterable[str | None] = ()) -> None:
+    def __init__(
+        self, tokenizer: Any, placeholders: Collection[str], template_text: str, reserved: Iterable[str | None] = ()
+    ) -> None:
         self.tokenizer = tokenizer
         self.tokens = special_tokens(tokenizer, placeholders)
         self.pattern = re.compile("|".join(re.escape(t) for t in self.tokens) or r"(?!)")
@@ -68,8 +69,9 @@ class ControlTokens:
                 raise ValueError("no special token is free to stand for the user's text")
             self.sentinel_id, self.sentinel = free[0]
 
-    def template(self, conversation: Conversation, policy: str,
-                 render: Callable[[Sequence[Mapping[str, Any]]], str]) -> tuple[str, list[Run] | None]:
+    def template(
+        self, conversation: Conversation, policy: str, render: Callable[[Sequence[Mapping[str, Any]]], str]
+    ) -> tuple[str, list[Run] | None]:
         """The conversation rendered by ``render``, and how to splice its escaped texts back in
         (None: no text is escaped). Under ``policy="reject"`` a control token is an error."""
         escaped = []
@@ -98,8 +100,10 @@ class ControlTokens:
         """How to splice ``texts`` (escaped, in order) over their sentinels in ``prompt``'s ids."""
         segments = prompt.split(self.sentinel)
         if len(segments) != len(texts) + 1:
-            raise RuntimeError(f"the chat template renders the user text sentinel {self.sentinel!r} "
-                               f"{len(segments) - 1} times for {len(texts)} escaped text(s)")
+            raise RuntimeError(
+                f"the chat template renders the user text sentinel {self.sentinel!r} "
+                f"{len(segments) - 1} times for {len(texts)} escaped text(s)"
+            )
         runs: list[Run] = []
         k = 0
         while k < len(texts):
@@ -130,8 +134,9 @@ class ControlTokens:
         (where,) = np.nonzero(input_ids == self.sentinel_id)
         expected = sum(run.sentinels for run in runs)
         if where.size != expected:
-            raise RuntimeError(f"the sentinel {self.sentinel!r} occurs {where.size} times in the prompt ids, "
-                               f"expected {expected}")
+            raise RuntimeError(
+                f"the sentinel {self.sentinel!r} occurs {where.size} times in the prompt ids, expected {expected}"
+            )
         pieces, cursor, first = [], 0, 0
         for run in runs:
             start = int(where[first]) - run.lead

@@ -76,8 +76,10 @@ class PreprocessLimits:
             if name not in values:
                 values[name] = engine
             elif values[name] > engine:
-                raise ValueError(f"parameter {name}: {values[name]} exceeds the engine's limit_mm_per_prompt "
-                                 f"of {engine} {modality} items (mm_llm/model.json); leave it empty to follow it")
+                raise ValueError(
+                    f"parameter {name}: {values[name]} exceeds the engine's limit_mm_per_prompt "
+                    f"of {engine} {modality} items (mm_llm/model.json); leave it empty to follow it"
+                )
         return cls(**values)
 
 

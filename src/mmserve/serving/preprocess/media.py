@@ -86,8 +86,10 @@ class MediaDecoder:
         limit = self.limits.max_image_pixels
         if width * height > limit:
             return f"{what}: {width * height} pixels ({width}x{height}) exceeds the limit of {limit} (max_image_pixels)"
-        return (f"{what}: {width * height} pixels ({width}x{height}) exceeds the image decoder's own limit "
-                "(PIL.Image.MAX_IMAGE_PIXELS)")
+        return (
+            f"{what}: {width * height} pixels ({width}x{height}) exceeds the image decoder's own limit "
+            "(PIL.Image.MAX_IMAGE_PIXELS)"
+        )
 
     def _check_image_pixels(self, what: str, width: int, height: int) -> None:
         limit = self.limits.max_image_pixels

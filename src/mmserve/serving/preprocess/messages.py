@@ -42,8 +42,9 @@ def user_turn(text: str, num_images: int, num_audios: int) -> Conversation:
     content: list[dict[str, Any]] = [{"type": "image"}] * num_images
     content += [{"type": "audio"}] * num_audios
     content.append({"type": "text", "text": text})
-    return Conversation([{"role": "user", "content": content}], [Text("text_input", 0, len(content) - 1, text)],
-                        num_images, num_audios)
+    return Conversation(
+        [{"role": "user", "content": content}], [Text("text_input", 0, len(content) - 1, text)], num_images, num_audios
+    )
 
 
 def without_media(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -97,9 +98,12 @@ def parse_messages(raw: str | bytes, *, max_messages: int) -> Conversation:
             continue
         if not isinstance(content, list):
             raise PreprocessError(
-                f"{where}: content is not a string or an array of parts (found {_json_kind(content)})")
+                f"{where}: content is not a string or an array of parts (found {_json_kind(content)})"
+            )
         if not content:
-            raise PreprocessError(f"{where}: content is an empty array (expected a string or a non-empty array of parts)")
+            raise PreprocessError(
+                f"{where}: content is an empty array (expected a string or a non-empty array of parts)"
+            )
         parts: list[dict[str, Any]] = []
         for j, part in enumerate(content):
             at = f"{where}.content[{j}]"
@@ -113,7 +117,9 @@ def parse_messages(raw: str | bytes, *, max_messages: int) -> Conversation:
                 parts.append({"type": "text", "text": part["text"]})
             else:
                 if role != "user":
-                    raise PreprocessError(f"{at}: {_a(kind)} part in {_a(role)} message (media go in user messages only)")
+                    raise PreprocessError(
+                        f"{at}: {_a(kind)} part in {_a(role)} message (media go in user messages only)"
+                    )
                 counts[kind] += 1
                 parts.append({"type": kind})
         messages.append({"role": role, "content": parts})
@@ -127,12 +133,15 @@ def parse_messages(raw: str | bytes, *, max_messages: int) -> Conversation:
 
 def check_media_counts(conversation: Conversation, num_images: int, num_clips: int) -> None:
     """The conversation's media parts match the media the request carries."""
-    for parts, given, noun, clip_note in ((conversation.images, num_images, "image", ""),
-                                          (conversation.audios, num_clips, "audio clip", " (audio, then audio_pcm)")):
+    for parts, given, noun, clip_note in (
+        (conversation.images, num_images, "image", ""),
+        (conversation.audios, num_clips, "audio clip", " (audio, then audio_pcm)"),
+    ):
         if parts != given:
             kind = noun.split()[0]
             raise PreprocessError(
-                f"messages: {_plural(parts, kind + ' part')} but {_plural(given, noun)} given{clip_note}")
+                f"messages: {_plural(parts, kind + ' part')} but {_plural(given, noun)} given{clip_note}"
+            )
 
 
 def _role(where: str, message: Any) -> str:
@@ -192,8 +201,9 @@ def _checked_text(where: str, text: str) -> str:
     try:
         text.encode()
     except UnicodeEncodeError as exc:
-        raise PreprocessError(f"{where}: a lone surrogate (\\u{ord(text[exc.start]):04x}) at character "
-                              f"{exc.start} is not text") from None
+        raise PreprocessError(
+            f"{where}: a lone surrogate (\\u{ord(text[exc.start]):04x}) at character {exc.start} is not text"
+        ) from None
     return text
 
 

@@ -76,8 +76,7 @@ class Preprocessor:
         self.tokenizer = self.processor.tokenizer
         vocab = self.tokenizer.get_vocab()
         self.placeholder_ids = {
-            spec.modality: (spec.placeholder_token, vocab[spec.placeholder_token])
-            for spec in self.family.modalities
+            spec.modality: (spec.placeholder_token, vocab[spec.placeholder_token]) for spec in self.family.modalities
         }
         self.modalities = {spec.modality for spec in self.family.modalities}
         # No token stands for more text than this: a longer text is surely over max_prompt_tokens.
@@ -88,8 +87,9 @@ class Preprocessor:
         every_kind = self.chat_prompt("", int("image" in self.modalities), int("audio" in self.modalities))
         reserved = (getattr(self.processor, f"{kind}_token", None) for kind in ("image", "audio", "video"))
         try:
-            self.control_tokens = ControlTokens(self.tokenizer, [token for token, _ in self.placeholder_ids.values()],
-                                                every_kind, reserved)
+            self.control_tokens = ControlTokens(
+                self.tokenizer, [token for token, _ in self.placeholder_ids.values()], every_kind, reserved
+            )
         except ValueError as exc:
             raise ValueError(f"{self.model}: {exc}") from None
         self._min_audio_samples: int | None = None  # found on the first too-short clip
@@ -291,8 +291,14 @@ class Preprocessor:
         return self._min_audio_samples
 
     def _process(
-        self, prompt: str, images: Sequence[Image], clips: Sequence[Clip], *, raw_prompt: bool,
-        text_only: Callable[[], str] | None, what: str = "text_input",
+        self,
+        prompt: str,
+        images: Sequence[Image],
+        clips: Sequence[Clip],
+        *,
+        raw_prompt: bool,
+        text_only: Callable[[], str] | None,
+        what: str = "text_input",
     ) -> Mapping[str, Any]:
         """The processor's output. ``text_only``: the templated text as the processor saw it, without
         the media (None: escaped, the processor never saw it); ``what``: the input holding the text."""
@@ -351,8 +357,10 @@ class Preprocessor:
             if text is not None and (not isinstance(text, (str, *BYTES_LIKE)) or len(text)):
                 raise PreprocessError("messages: text_input must be absent or empty when messages is given")
             if not apply_chat_template:
-                raise PreprocessError("messages: apply_chat_template must not be false when messages is given "
-                                      "(the model's chat template renders the conversation)")
+                raise PreprocessError(
+                    "messages: apply_chat_template must not be false when messages is given "
+                    "(the model's chat template renders the conversation)"
+                )
             self._check_request("", images, audios, pcm, messages)
             conversation = self._conversation(messages, len(images), len(audios) + len(pcm))
         else:
@@ -372,8 +380,14 @@ class Preprocessor:
             text_only = functools.partial(self.chat_prompt, prompt_text, 0, 0)
         else:
             prompt = prompt_text
-        processed = self._process(prompt, pil_images, clips, raw_prompt=not apply_chat_template,
-                                  text_only=text_only if runs is None else None, what=what)
+        processed = self._process(
+            prompt,
+            pil_images,
+            clips,
+            raw_prompt=not apply_chat_template,
+            text_only=text_only if runs is None else None,
+            what=what,
+        )
 
         input_ids = np.asarray(processed["input_ids"][0], dtype=INPUT_IDS.dtype)
         if runs is not None:
