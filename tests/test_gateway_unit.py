@@ -373,7 +373,7 @@ def test_delta_from_a_grpc_response_reads_what_tritonclient_decodes(outputs):
 def test_a_silent_triton_stream_times_out_and_is_cancelled():
     """A Triton that answers a request once, then nothing (a stand-in gRPC server on a real socket:
     a hung tritonserver can't be made to order): the backend raises a 504 after its response
-    timeout, not never, and sends mm_llm a cancel for the request on the shared stream, which the
+    timeout, not never, and sends mm_llm a cancel for the request on its stream, which the
     server receives; a second request on the same backend is answered meanwhile."""
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -424,6 +424,74 @@ def test_a_silent_triton_stream_times_out_and_is_cancelled():
     assert 0.5 <= took < 5, took
     assert received[:2] == [("mm_ensemble", "r1"), ("mm_llm", "r1.cancel")], received
     assert [d.text for d in other] == ["ok"]
+
+
+def test_requests_take_the_streams_in_turn_and_a_broken_stream_fails_only_its_own():
+    """Two streams to a stand-in Triton (a real gRPC server on a socket): requests alternate between
+    them; when the server breaks one, the requests on it get a 503 while the other stream's request
+    is answered, and the next request in that stream's turn opens a new stream."""
+    import itertools
+
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from mmserve.gateway.triton import TritonBackend
+
+    async def scenario() -> tuple[dict[str, object], list[tuple[str, int]]]:
+        seen: list[tuple[str, int]] = []  # (request id, which stream)
+        calls = itertools.count()
+
+        class Stand(service_pb2_grpc.GRPCInferenceServiceServicer):
+            async def ModelStreamInfer(self, requests, context):
+                call = next(calls)
+                async for request in requests:
+                    seen.append((request.id, call))
+                    if request.id.startswith("hold"):
+                        continue
+                    if request.id.startswith("break"):
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, "broken on purpose")
+                    if request.id.startswith("slow"):
+                        await asyncio.sleep(0.5)
+                    response = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
+                    response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
+                    response.raw_output_contents.append(b"\x02\x00\x00\x00ok")
+                    response.parameters["triton_final_response"].bool_param = True
+                    yield service_pb2.ModelStreamInferResponse(infer_response=response)
+
+        server = grpc.aio.server()
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Stand(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        backend = TritonBackend(f"127.0.0.1:{port}", "mm_ensemble", response_timeout_s=10, streams=2)
+        await backend.start()
+
+        async def outcome(request_id: str) -> object:
+            try:
+                return [
+                    d.text async for d in backend.generate({"text_input": np.array([b"Hi"], dtype=object)}, request_id)
+                ]
+            except errors.APIError as exc:
+                return exc.status
+
+        try:
+            held = asyncio.ensure_future(outcome("hold-a"))  # stream 0
+            slow = asyncio.ensure_future(outcome("slow-b"))  # stream 1
+            await asyncio.sleep(0.1)
+            results = {"break-c": await outcome("break-c")}  # stream 0, which the server breaks
+            results["hold-a"] = await asyncio.wait_for(held, 5)
+            results["slow-b"] = await asyncio.wait_for(slow, 5)
+            results["d"] = await outcome("d")  # stream 1
+            results["e"] = await outcome("e")  # stream 0's turn: a new stream
+        finally:
+            await backend.close()
+            await server.stop(None)
+        return results, seen
+
+    results, seen = asyncio.run(scenario())
+    assert results == {"break-c": 503, "hold-a": 503, "slow-b": ["ok"], "d": ["ok"], "e": ["ok"]}, results
+    stream_of = dict(seen)
+    assert stream_of["hold-a"] == stream_of["break-c"] != stream_of["slow-b"] == stream_of["d"], seen
+    assert stream_of["e"] not in (stream_of["hold-a"], stream_of["slow-b"]), seen
 
 
 @pytest.mark.parametrize("usage", [False, True])

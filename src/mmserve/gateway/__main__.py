@@ -62,6 +62,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the longest wait for Triton's next response on a request, then the request is "
         "cancelled and answered 504 (0: no limit)",
     )
+    parser.add_argument(
+        "--triton-streams",
+        type=int,
+        default=defaults.triton_streams,
+        help="long-lived gRPC streams to Triton that requests take in turn (default: %(default)s)",
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = parser.parse_args(argv)
 
@@ -79,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         media_timeout_s=args.media_timeout_s,
         max_request_bytes=args.max_request_bytes,
         response_timeout_s=args.response_timeout_s or None,
+        triton_streams=args.triton_streams,
     )
     uvicorn.run(
         create_app(config),

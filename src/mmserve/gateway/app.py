@@ -30,7 +30,7 @@ from mmserve.gateway.convert import conversation, openai_logprobs, request_tenso
 from mmserve.gateway.errors import APIError, internal, invalid, logger, unavailable
 from mmserve.gateway.media import MediaFetcher
 from mmserve.gateway.protocol import ChatCompletionRequest, parse_request
-from mmserve.gateway.triton import Delta, TritonBackend
+from mmserve.gateway.triton import STREAMS, Delta, TritonBackend
 
 DEFAULT_MODEL = "mm_ensemble"
 
@@ -51,6 +51,8 @@ class GatewayConfig:
     response_timeout_s: float | None = 300.0
     """The longest wait for Triton's next response on a request (``None``: no limit); then the
     request is cancelled and answered 504 (``mmserve.gateway.triton.TritonBackend``)."""
+    triton_streams: int = STREAMS
+    """The long-lived gRPC streams to Triton that requests take in turn (``TritonBackend``)."""
 
     @property
     def name(self) -> str:
@@ -66,7 +68,13 @@ def create_app(config: GatewayConfig, backend: Any = None) -> FastAPI:
     backend = (
         backend
         if backend is not None
-        else TritonBackend(config.triton_url, config.model, config.response_timeout_s, llm=config.llm_model)
+        else TritonBackend(
+            config.triton_url,
+            config.model,
+            config.response_timeout_s,
+            llm=config.llm_model,
+            streams=config.triton_streams,
+        )
     )
     fetcher = MediaFetcher(config.media_max_bytes, config.media_timeout_s) if config.allow_remote_media else None
     created = int(time.time())

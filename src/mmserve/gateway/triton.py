@@ -1,5 +1,5 @@
-"""The gateway's Triton side: one long-lived bidirectional gRPC stream (``ModelStreamInfer``) that
-carries every request to ``mm_ensemble`` (default) or any model with its tensors, responses told
+"""The gateway's Triton side: a few long-lived bidirectional gRPC streams (``ModelStreamInfer``)
+that carry every request to ``mm_ensemble`` (default) or any model with its tensors, responses told
 apart by request id.
 
 Leaving a request's response iteration early (the HTTP client went away, the task was cancelled,
@@ -162,16 +162,64 @@ class _Broken:
         self.error = error
 
 
+STREAMS = 4
+"""How many long-lived streams the gateway spreads its requests over (``--triton-streams``)."""
+
+
+class _Stream:
+    """One long-lived ``ModelStreamInfer`` call: the requests sent on it, a reader that hands each
+    response to its request's queue (in ``pending``), and the ids of the requests on it."""
+
+    def __init__(self, stub: Any, pending: dict[str, asyncio.Queue[Any]]) -> None:
+        self.ids: set[str] = set()
+        self.open = True
+        self._outgoing: asyncio.Queue[Any] = asyncio.Queue()
+        self._call = stub.ModelStreamInfer(self._requests())
+        self._reader = asyncio.get_running_loop().create_task(self._read(pending))
+
+    async def _requests(self) -> AsyncIterator[Any]:
+        while (request := await self._outgoing.get()) is not None:
+            yield request
+
+    def send(self, request: Any) -> None:
+        self._outgoing.put_nowait(request)
+
+    async def _read(self, pending: dict[str, asyncio.Queue[Any]]) -> None:
+        """Hand every response to its request's queue, until the stream ends; then fail the
+        requests still on it."""
+        try:
+            async for message in self._call:
+                queue = pending.get(message.infer_response.id)
+                if queue is not None:
+                    queue.put_nowait(message)
+            failure = unavailable("Triton closed the stream")
+        except Exception as exc:  # noqa: BLE001 - every request on it learns why
+            failure = _grpc_error(exc) if _is_grpc(exc) else unavailable(f"Triton's stream broke ({exc})")
+        self.open = False
+        for request_id in self.ids:
+            if (queue := pending.get(request_id)) is not None:
+                queue.put_nowait(_Broken(failure))
+
+    async def close(self) -> None:
+        self.open = False
+        self._outgoing.put_nowait(None)
+        self._call.cancel()
+        with contextlib.suppress(BaseException):
+            await self._reader
+
+
 class TritonBackend:
     """One asyncio gRPC channel to Triton (``url``: ``host:port``), requests to ``model``.
 
-    Every request travels on one long-lived ``ModelStreamInfer`` stream, its responses told apart by
-    request id (Triton sets it on every response, errors included): opening a gRPC stream per
-    request cost the gateway more CPU than anything else it did. Since cancelling the shared stream
-    would cancel every request, a request the gateway gives up on (its HTTP client went away, or
-    ``response_timeout_s``) gets a ``cancel`` control request to ``llm`` on the same stream, which
-    aborts it on the engine (``mmserve.client.cancel_tensors``); its later responses are dropped. A
-    broken stream fails the requests on it (503) and the next request opens a new one.
+    Requests travel on ``streams`` long-lived ``ModelStreamInfer`` streams, in turn, their responses
+    told apart by request id (Triton sets it on every response, errors included): opening a gRPC
+    stream per request cost the gateway more CPU than anything else it did, and Triton writes one
+    stream's responses one at a time, so a single stream held every request's tokens in one queue.
+    Since cancelling a shared stream would cancel every request on it, a request the gateway gives
+    up on (its HTTP client went away, or ``response_timeout_s``) gets a ``cancel`` control request
+    to ``llm`` on its stream, which aborts it on the engine (``mmserve.client.cancel_tensors``); its
+    later responses are dropped. A broken stream fails the requests on it (503), and the next
+    request on its turn opens a new one.
 
     ``response_timeout_s``: the longest wait for Triton's next response on a request (the first one
     includes queueing, preprocessing and prefill); ``None``: no limit. A Triton that hangs (the
@@ -182,15 +230,18 @@ class TritonBackend:
     belongs to it).
     """
 
-    def __init__(self, url: str, model: str, response_timeout_s: float | None = None, *, llm: str = LLM) -> None:
+    def __init__(
+        self, url: str, model: str, response_timeout_s: float | None = None, *, llm: str = LLM, streams: int = STREAMS
+    ) -> None:
+        if streams < 1:
+            raise ValueError(f"streams: expected at least 1, found {streams}")
         self.url, self.model, self.llm = url, model, llm
         self.response_timeout_s = response_timeout_s
         self._client: Any = None  # tritonclient's, for health
         self._channel: Any = None
         self._stub: Any = None
-        self._outgoing: asyncio.Queue[Any] | None = None
-        self._call: Any = None
-        self._reader: asyncio.Task[None] | None = None
+        self._streams: list[_Stream | None] = [None] * streams
+        self._turn = 0
         self._pending: dict[str, asyncio.Queue[Any]] = {}
 
     async def start(self) -> None:
@@ -203,11 +254,9 @@ class TritonBackend:
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     async def close(self) -> None:
-        self._close_stream()
-        if self._reader is not None:
-            with contextlib.suppress(BaseException):
-                await self._reader
-            self._reader = None
+        streams, self._streams = [s for s in self._streams if s is not None], [None] * len(self._streams)
+        for stream in streams:
+            await stream.close()
         if self._channel is not None:
             channel, self._channel = self._channel, None
             await channel.close()
@@ -224,47 +273,13 @@ class TritonBackend:
         if not ready:
             raise unavailable(f"the model {self.model!r} is not ready on Triton")
 
-    # -- the shared stream ---------------------------------------------------------------------
-    def _send(self, request: Any) -> None:
-        if self._call is None:
-            self._open_stream()
-        assert self._outgoing is not None
-        self._outgoing.put_nowait(request)
-
-    def _open_stream(self) -> None:
-        outgoing: asyncio.Queue[Any] = asyncio.Queue()
-
-        async def requests() -> AsyncIterator[Any]:
-            while (request := await outgoing.get()) is not None:
-                yield request
-
-        self._outgoing = outgoing
-        self._call = self._stub.ModelStreamInfer(requests())
-        self._reader = asyncio.get_running_loop().create_task(self._read(self._call))
-
-    def _close_stream(self) -> None:
-        call, self._call = self._call, None
-        if self._outgoing is not None:
-            self._outgoing.put_nowait(None)
-            self._outgoing = None
-        if call is not None:
-            call.cancel()
-
-    async def _read(self, call: Any) -> None:
-        """Hand every response to its request's queue, until the stream ends."""
-        try:
-            async for message in call:
-                queue = self._pending.get(message.infer_response.id)
-                if queue is not None:
-                    queue.put_nowait(message)
-            failure = unavailable("Triton closed the stream")
-        except Exception as exc:  # noqa: BLE001 - every request on it learns why
-            failure = _grpc_error(exc) if _is_grpc(exc) else unavailable(f"Triton's stream broke ({exc})")
-        if self._call is call:
-            self._call = None
-            self._outgoing = None
-        for queue in self._pending.values():
-            queue.put_nowait(_Broken(failure))
+    def _next_stream(self) -> _Stream:
+        """The stream whose turn it is (a new one where it broke or was never opened)."""
+        turn, self._turn = self._turn, (self._turn + 1) % len(self._streams)
+        stream = self._streams[turn]
+        if stream is None or not stream.open:
+            stream = self._streams[turn] = _Stream(self._stub, self._pending)
+        return stream
 
     # -- one request -----------------------------------------------------------------------------
     async def generate(self, tensors: Mapping[str, np.ndarray], request_id: str) -> AsyncGenerator[Delta, None]:
@@ -274,9 +289,11 @@ class TritonBackend:
             raise internal("a request id in use", RuntimeError(request_id))
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._pending[request_id] = queue
+        stream = self._next_stream()
+        stream.ids.add(request_id)
         ended = False
         try:
-            self._send(infer_request(self.model, tensors, request_id))
+            stream.send(infer_request(self.model, tensors, request_id))
             while True:
                 try:
                     async with asyncio.timeout(self.response_timeout_s):
@@ -306,8 +323,9 @@ class TritonBackend:
             raise internal("reading Triton's responses", exc) from None
         finally:
             del self._pending[request_id]
-            if not ended and self._call is not None:  # abort it on the engine; later responses are dropped
-                self._send(infer_request(self.llm, cancel_tensors(request_id), f"{request_id}.cancel"))
+            stream.ids.discard(request_id)
+            if not ended and stream.open:  # abort it on the engine; later responses are dropped
+                stream.send(infer_request(self.llm, cancel_tensors(request_id), f"{request_id}.cancel"))
 
 
 def _is_grpc(exc: BaseException) -> bool:
