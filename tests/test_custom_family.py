@@ -17,6 +17,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_family.py"
 @pytest.fixture(scope="module")
 def example():
     spec = importlib.util.spec_from_file_location("custom_family", EXAMPLE)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

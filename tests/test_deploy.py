@@ -218,8 +218,9 @@ def test_grace_period_covers_tritons_exit_timeout():
     pre_stop = _container(_one("Deployment"), "triton")["lifecycle"]["preStop"]["exec"]["command"]
     # sh -c "sleep S && python3 -m mmserve.drain --url 127.0.0.1:8001 --grace-s G"
     script = pre_stop[-1]
-    sleep = int(re.search(r"sleep (\d+)", script).group(1))
-    grace = float(re.search(r"--grace-s (\d+(?:\.\d+)?)", script).group(1))
+    sleep_found, grace_found = re.search(r"sleep (\d+)", script), re.search(r"--grace-s (\d+(?:\.\d+)?)", script)
+    assert sleep_found and grace_found, script
+    sleep, grace = int(sleep_found.group(1)), float(grace_found.group(1))
     assert pre_stop[:2] == ["sh", "-c"] and "python3 -m mmserve.drain --url 127.0.0.1:8001" in script
     from mmserve.drain import ANSWER_MARGIN_S
 
@@ -346,7 +347,7 @@ def _exported_metrics() -> dict[str, str]:
         call, first = node.value, node.value.args[0]
         if not (isinstance(call.func, ast.Name) and call.func.id == "metric"):
             continue
-        name = first.value if isinstance(first, ast.Constant) else constants.get(getattr(first, "id", None))
+        name = first.value if isinstance(first, ast.Constant) else constants.get(getattr(first, "id", ""))
         for target in node.targets:
             if isinstance(target, ast.Attribute) and isinstance(name, str):
                 found[target.attr] = name

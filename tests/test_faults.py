@@ -95,7 +95,9 @@ def test_engine_killed_detect_unavailable_heal(own_server, references):
 def test_engine_wedged_detect_unavailable_heal(own_server, references):
     """A stopped engine core answers nothing: the watcher sees no progress for the stall timeout."""
     config = (ROOT / "model_repository" / "mm_llm" / "config.pbtxt").read_text()
-    stall = float(re.search(r'key: "engine_stall_timeout_s", value: \{ string_value: "([\d.]+)"', config).group(1))
+    found = re.search(r'key: "engine_stall_timeout_s", value: \{ string_value: "([\d.]+)"', config)
+    assert found is not None, "mm_llm's config.pbtxt sets no engine_stall_timeout_s"
+    stall = float(found.group(1))
     _fault_and_heal(own_server, references, signal.SIGSTOP, stall + 2 * DETECT_S)
 
 
@@ -206,6 +208,7 @@ def test_serve_sh_started_in_the_background_stops_or_dies_whole(tiny_models, sto
         text=True,
         start_new_session=True,
     )
+    assert shell.stdout is not None
     try:
         launcher = psutil.Process(int(shell.stdout.readline()))
         lines: list[str] = []

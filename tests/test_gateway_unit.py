@@ -597,15 +597,15 @@ def test_sdk_sees_openai_errors_with_their_status(gateway):
             client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")], stream=stream)
         assert info.value.status_code == 400 and "cannot identify" in info.value.message
     backend.error = errors.from_grpc("UNAVAILABLE", "connection refused")
-    with pytest.raises(openai.InternalServerError) as info:
+    with pytest.raises(openai.InternalServerError) as server_error:
         client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")])
-    assert info.value.status_code == 503
+    assert server_error.value.status_code == 503
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")], n=2)
     assert info.value.param == "n" and info.value.code == "unsupported"
-    with pytest.raises(openai.NotFoundError) as info:
+    with pytest.raises(openai.NotFoundError) as not_found:
         client.chat.completions.create(model="gpt-4o", messages=[user("Hi")])
-    assert info.value.code == "model_not_found"
+    assert not_found.value.code == "model_not_found"
 
 
 def test_error_after_the_first_token_is_an_error_event(gateway):

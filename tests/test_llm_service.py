@@ -11,11 +11,15 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
 from utils import ENGINE_ARGS
+
+if TYPE_CHECKING:
+    from mmserve.errors import ServiceError
 
 pytestmark = pytest.mark.engine
 
@@ -33,7 +37,7 @@ class RecordingSink:
         self.send_delay_s = send_delay_s  # a slow Triton: responses queue up behind each send
         self.responses: list[dict[str, np.ndarray]] = []
         self.sent_at: list[float] = []  # time.monotonic() of each response
-        self.errors: list[tuple[str, bool]] = []
+        self.errors: list[ServiceError] = []
         self.closed_empty = False
         self.closed = threading.Event()
         self._cancel_after_responses = cancel_after_responses

@@ -34,7 +34,8 @@ class _Family:
     gate: threading.Event | None = None  # every metric call waits for it
 
     def __init__(self, name: str, description: str, kind: str) -> None:
-        self.name, self.kind, self.calls = name, kind, []
+        self.name, self.kind = name, kind
+        self.calls: list[tuple[str, float]] = []
         _Family.created[name] = self
 
     def Metric(self, labels: dict[str, str], **kwargs: object) -> _Metric:  # noqa: N802 - pb_utils' name

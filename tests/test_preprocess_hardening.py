@@ -14,6 +14,7 @@ import struct
 import sys
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -272,7 +273,9 @@ def test_a_clip_too_short_for_one_embedding_is_named(preprocessor):
         ),
         "audio_pcm[0]: a 0.010 s clip is too short: at least ",
     )
-    needed = float(re.search(r"at least ([\d.]+) s needed", message).group(1))  # rounded up to the ms
+    found = re.search(r"at least ([\d.]+) s needed", message)
+    assert found is not None, message
+    needed = float(found.group(1))  # rounded up to the ms
     samples = round(needed * AUDIO_SAMPLE_RATE)
     assert preprocessor("x", pcm=[(sample_audio(2)[:samples], AUDIO_SAMPLE_RATE)])["input_features"].shape[0] == 1
     shorter = samples - 16  # 1 ms less
@@ -377,9 +380,10 @@ def triton_model(preprocessor, monkeypatch):
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
     path = MODEL_DIR / "1" / "model.py"
     spec = importlib.util.spec_from_file_location("preprocess_model_under_test", path)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    built = {}
+    built: dict[str, Any] = {}
 
     def shared(model, *, limits, user_control_tokens):  # the loaded processor, the configured settings
         built.update(model=model, limits=limits, user_control_tokens=user_control_tokens)

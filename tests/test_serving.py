@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -241,7 +242,7 @@ def test_the_client_names_only_tensors_of_the_contract():
 
     known = set(wire.names((*wire.PUBLIC_INPUTS, *wire.OUTPUTS, *MM_LLM_INPUTS)))
     tree = ast.parse((ROOT / "src" / "mmserve" / "client.py").read_text())
-    named: set[str] = set()
+    named: set[object] = set()
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Subscript)
@@ -363,7 +364,7 @@ def test_the_sender_guard_sends_one_final_and_lets_the_sender_go():
 
     class Sender:
         def __init__(self) -> None:
-            self.sent: list[tuple[object, int]] = []
+            self.sent: list[tuple[Any, int]] = []
             self.polls = 0
 
         def send(self, response=None, flags=0) -> None:

@@ -375,6 +375,7 @@ def test_cli_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
         cmd += ["--log-file", "-"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
+    assert proc.stdout is not None
     try:
         for line in proc.stdout:
             lines.append(line)

@@ -71,7 +71,7 @@ def internal_names(tree: ast.AST) -> Iterator[tuple[int, str]]:
             node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None,
         ):
             if name in INTERNAL_NAMES:
-                yield node.lineno, name  # type: ignore[misc]
+                yield getattr(node, "lineno", 0), name
 
 
 def package_modules() -> Iterator[tuple[str, ast.AST]]:

@@ -166,7 +166,7 @@ def make_conversation() -> Case:
     ``audio`` in the order of their parts."""
     from mmserve_dev.samples import encode_audio, encode_image, sample_audio, sample_image
 
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You answer briefly."},
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]},
         {"role": "assistant", "content": "Colourful stripes."},
@@ -348,6 +348,7 @@ def http_status(server: Endpoints, path: str) -> int:
 def metrics(server: Endpoints, *names: str) -> dict[str, float]:
     """``mm_llm``'s figures of ``names`` from one read of ``/metrics`` (a histogram's ``_count``
     by that name), each summed over its lines."""
+    assert server.metrics is not None, "the server has no metrics endpoint"
     text = urllib.request.urlopen(server.metrics, timeout=10).read().decode()
     values: dict[str, float] = {}
     for line in text.splitlines():
@@ -447,7 +448,11 @@ def generated_after_cancel(
     for _ in range(tries):
         before = generated()
         with start() as generation:
-            assert wait_for(lambda before=before: generated() > before + 10, 60), "generation did not start"
+
+            def started(before: float = before) -> bool:
+                return generated() > before + 10
+
+            assert wait_for(started, 60), "generation did not start"
             generation.cancel()
             at_cancel = generated() - before
         last = [generated()]
@@ -547,10 +552,7 @@ def fake_pb_utils() -> types.ModuleType:
     module.InferenceResponse = FakeResponse  # type: ignore[attr-defined]
     module.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1  # type: ignore[attr-defined]
     module.get_input_tensor_by_name = lambda request, name: request.get(name)  # type: ignore[attr-defined]
-    module.Logger = types.SimpleNamespace(
-        **{
-            name: lambda message: None  # type: ignore[attr-defined]
-            for name in ("log_info", "log_warn", "log_error", "log_verbose")
-        }
+    module.Logger = types.SimpleNamespace(  # type: ignore[attr-defined]
+        **{name: lambda message: None for name in ("log_info", "log_warn", "log_error", "log_verbose")}
     )
     return module
