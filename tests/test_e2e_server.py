@@ -19,6 +19,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -178,7 +179,7 @@ def _send_to_mm_llm(server, tensors: dict[str, np.ndarray]) -> None:
     send_tensors(server, "mm_llm", {**tensors, "sampling_parameters": sampling})
 
 
-LONG_GENERATION = {"max_tokens": 3000, "ignore_eos": True}
+LONG_GENERATION: dict[str, Any] = {"max_tokens": 3000, "ignore_eos": True}
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "no-stream"])

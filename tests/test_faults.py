@@ -170,6 +170,7 @@ def test_engine_dies_with_a_killed_server(tiny_models, victim):
         assert stub is not None and any(p.cmdline()[0] == "VLLM::EngineCore" for p in engine), [
             p.cmdline()[:1] for p in engine
         ]
+        assert triton.pid is not None
         os.kill(triton.pid if victim == "tritonserver" else stub.pid, signal.SIGKILL)
         started = time.monotonic()
         # the stub too, when tritonserver died (killed itself, it stays a zombie of the server's)

@@ -122,7 +122,7 @@ def fake_c_tensor_class(utils: types.ModuleType) -> type:
             self.array_in = array
             self.serialized = serialized = utils.serialize_byte_tensor(array)
             if isinstance(serialized, np.ndarray):
-                self.flags_during_call = descr_flags(serialized.dtype)
+                self.flags_during_call: int | None = descr_flags(serialized.dtype)
                 nbytes = serialized.size * itemsize_seen_by_pybind11(serialized.dtype)
                 self.data = ctypes.string_at(serialized.__array_interface__["data"][0], nbytes)
             else:
@@ -311,7 +311,7 @@ def new_from_descr(
     table = (ctypes.c_void_p * 300).from_address(_capsule_get_pointer(capsule, None))
     ssize_p = ctypes.POINTER(ctypes.c_ssize_t)
     fn = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ssize_p, ssize_p,
-                           ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)(table[94])  # fmt: skip
+                           ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)(table[94] or 0)  # fmt: skip
     nd = len(shape)
     _incref(dtype)  # PyArray_NewFromDescr steals a reference to the descriptor
     result = fn(id(np.ndarray), id(dtype), nd, (ctypes.c_ssize_t * nd)(*shape), (ctypes.c_ssize_t * nd)(*strides),

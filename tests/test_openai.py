@@ -136,6 +136,7 @@ def test_greedy_output_equals_the_triton_path(server, references, sdk, case_name
     triton = triton_client(server).generate(case.text, case.images, case.audios, **_sampling())
     assert triton.text == case.output
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (triton.num_input_tokens, MAX_TOKENS)
+    assert triton.num_input_tokens is not None
     assert reply.usage.total_tokens == triton.num_input_tokens + MAX_TOKENS
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -12,7 +13,11 @@ def test_calls_run_in_order_on_one_other_thread():
     outbox = Outbox("test-outbox")
     seen: list[tuple[int, str]] = []
     for i in range(500):
-        assert outbox.put(lambda i=i: seen.append((i, threading.current_thread().name)))
+
+        def record(i: int = i) -> None:
+            seen.append((i, threading.current_thread().name))
+
+        assert outbox.put(record)
     assert outbox.flush(10)
     assert [i for i, _ in seen] == list(range(500))
     assert {name for _, name in seen} == {"test-outbox"}
@@ -35,7 +40,7 @@ def test_put_returns_while_a_slow_call_runs_and_close_drains():
     outbox.put(release.wait)
     start = time.monotonic()
     for i in range(100):
-        outbox.put(lambda i=i: seen.append(i))
+        outbox.put(functools.partial(seen.append, i))
     assert time.monotonic() - start < 1.0  # the caller never waits for the calls
     assert not outbox.flush(0.05) and seen == []
     release.set()

@@ -37,6 +37,7 @@ def test_counting_rule_matches_hf_expansion(references, family_name):
         ids = request.hf_inputs["input_ids"][0].tolist()
         for modality, data in processed_multi_modal_data(family, request.hf_inputs).items():
             spec = family.modality(modality)
+            assert spec is not None, modality
             from mmserve.passthrough.items import ProcessedItems
 
             items = ProcessedItems(data, spec, hf_config)

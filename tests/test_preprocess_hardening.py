@@ -236,7 +236,7 @@ def test_limits_from_config_parameters():
     with pytest.raises(ValueError, match="max_image_pixels: expected a positive integer, found 0"):
         PreprocessLimits.from_parameters({"max_image_pixels": "0"})
     with pytest.raises(ValueError, match="max_images: expected a positive integer, found 2.5"):
-        PreprocessLimits(max_images=2.5)
+        PreprocessLimits(max_images=2.5)  # type: ignore[arg-type]  # what is checked
     with pytest.raises(ValueError, match="max_total_audio_seconds: expected a finite number"):
         PreprocessLimits(max_total_audio_seconds=float("inf"))
 

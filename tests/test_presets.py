@@ -300,7 +300,7 @@ class _Checkpoint:
         extractor = self.preprocessor.processor.feature_extractor
         return 2 * self.hf_config.audio_config.max_source_positions * extractor.hop_length / extractor.sampling_rate
 
-    def tokens(self, modality: str, media: dict[str, list[bytes]]) -> tuple[int, int]:
+    def tokens(self, modality: str, media: dict[str, Any]) -> tuple[int, int]:
         """(placeholder tokens of the one item, prompt length) of a preprocessed request, the item
         checked by the family's pass-through rules (as vLLM's pass-through processor checks it)."""
         import torch
@@ -312,9 +312,9 @@ class _Checkpoint:
         outputs = self.preprocessor("Describe it.", **media)
         ids = outputs.pop("input_ids").tolist()
         data = processed_multi_modal_data(self.family, outputs)[modality]
-        items = ProcessedItems(
-            {k: torch.from_numpy(v) for k, v in data.items()}, self.family.modality(modality), self.hf_config
-        )
+        spec = self.family.modality(modality)
+        assert spec is not None, modality
+        items = ProcessedItems({k: torch.from_numpy(v) for k, v in data.items()}, spec, self.hf_config)
         runs = placeholder_runs(ids, self.preprocessor.placeholder_ids[modality][1])
         assert [n for _, n in runs] == items.expected_tokens()
         return runs[0][1], len(ids)

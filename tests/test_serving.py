@@ -139,7 +139,7 @@ def test_parse_request_groups_tensors_by_modality():
     from mmserve.families import get_family
     from mmserve.serving.llm import RequestError, parse_request
 
-    tensors = {
+    tensors: dict[str, np.ndarray] = {
         "input_ids": np.arange(10, dtype=np.int64),
         "pixel_values": np.zeros((0, 0), np.float32),
         "image_grid_thw": np.zeros((0, 3), np.int64),
@@ -158,7 +158,7 @@ def test_parse_request_groups_tensors_by_modality():
     ):
         parse_request(get_family("qwen2_5_vl"), tensors.get)
     with pytest.raises(RequestError, match="input_ids: expected a non-empty INT64 tensor"):
-        parse_request(get_family("qwen2_5_omni"), {}.get)
+        parse_request(get_family("qwen2_5_omni"), lambda name: None)
 
 
 def _model_config(name: str):
@@ -298,7 +298,7 @@ def test_an_engine_failure_is_not_reported_once_the_model_stops(tiny_models):
     # The stop comes while the failed engine is being shut down: no report.
     runner = _StubRunner(tiny_models["qwen2_5_omni"])
     reports: list[str] = []
-    service = LLMService(runner, on_failure=reports.append)
+    service = LLMService(runner, on_failure=reports.append)  # type: ignore[arg-type]  # a stand-in runner
     failing = threading.Thread(target=service.fail, args=("injected",))
     failing.start()
     assert runner.in_shutdown.wait(10)
@@ -321,7 +321,7 @@ def test_an_engine_failure_is_not_reported_once_the_model_stops(tiny_models):
         time.sleep(0.5)
         events.append(f"reported {reason}")
 
-    service = LLMService(runner, on_failure=slow_report)
+    service = LLMService(runner, on_failure=slow_report)  # type: ignore[arg-type]  # a stand-in runner
     failing = threading.Thread(target=service.fail, args=("injected",))
     failing.start()
     assert reporting.wait(10)

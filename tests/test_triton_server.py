@@ -140,7 +140,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     srv = TritonServer(repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log")
     t0 = time.monotonic()
     srv.start(timeout=120)
-    srv.start_seconds = time.monotonic() - t0
+    srv.start_seconds = time.monotonic() - t0  # type: ignore[attr-defined]  # read by test_ready_and_metadata
     try:
         yield srv
     finally:
@@ -337,7 +337,7 @@ def test_stop_leaves_nothing(tmp_path: Path) -> None:
     leftover = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == pid]
     assert leftover == []
     assert not [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
-    assert srv.stop() == srv.process.returncode  # idempotent
+    assert srv.process is not None and srv.stop() == srv.process.returncode  # idempotent
 
 
 def _pgid(pid: int) -> int | None:
@@ -412,7 +412,7 @@ def test_the_bind_address_is_a_setting(tmp_path: Path) -> None:
             grpc_port=2,
             metrics_port=3,
             cache_dir=tmp_path / "cache",
-            **({} if host == "127.0.0.1" else {"host": host}),
+            **({} if host == "127.0.0.1" else {"host": host}),  # type: ignore[arg-type]
         )
         command = server.command()
         for endpoint in ("http", "grpc", "metrics"):

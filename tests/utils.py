@@ -22,14 +22,14 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from mmserve_dev.samples import AUDIO_SAMPLE_RATE
 
 if TYPE_CHECKING:
-    from mmserve.client import Generation, MMClient, Result
+    from mmserve.client import MMClient, Result
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 12
@@ -433,8 +433,18 @@ def start_held(
     )
 
 
+class Cancellable(Protocol):
+    """A started request as ``generated_after_cancel`` handles it (``mmserve.client.Generation``)."""
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> Any: ...
+
+    def cancel(self) -> None: ...
+
+
 def generated_after_cancel(
-    server: Endpoints, start: Callable[[], Generation], *, max_tokens: int, tries: int = 3
+    server: Endpoints, start: Callable[[], Cancellable], *, max_tokens: int, tries: int = 3
 ) -> list[tuple[float, float]]:
     """``start()`` a request (``MMClient.start``) of ``max_tokens``, cancel it once generation runs;
     per try, (tokens generated when the cancel returned, tokens generated in all once the engine

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import overload
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,12 @@ class EnvVar:
     """The value when unset or empty (``None``: none; descriptions of computed defaults in ``meaning``)."""
     meaning: str
     read_by: str
+
+    @overload
+    def get(self, default: str) -> str: ...
+
+    @overload
+    def get(self, default: None = None) -> str | None: ...
 
     def get(self, default: str | None = None) -> str | None:
         """The variable's value; unset or empty gives ``default``, else the declared default."""

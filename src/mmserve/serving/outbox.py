@@ -29,14 +29,14 @@ class Outbox:
     """
 
     def __init__(self, name: str) -> None:
-        self._calls: collections.deque[Callable[[], None]] = collections.deque()
+        self._calls: collections.deque[Callable[[], object]] = collections.deque()
         self._wake = threading.Condition()
         self._pending = 0  # calls put and not yet finished
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, call: Callable[[], None]) -> bool:
+    def put(self, call: Callable[[], object]) -> bool:
         """Run ``call()`` on the outbox's thread, after every call put before it; False (and
         dropped) once the outbox is closed."""
         with self._wake:
