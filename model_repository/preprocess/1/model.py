@@ -30,6 +30,7 @@ import functools
 import json
 import logging
 import os
+from typing import cast
 
 from mmserve.serving.embedded import finish_stub, freeze_startup_heap, prepare_stub, use_utf8_locale
 
@@ -40,6 +41,7 @@ import triton_python_backend_utils as pb_utils
 
 from mmserve.inputs import mm_limits, read_engine_config
 from mmserve.serving.preprocess import (
+    ControlTokenPolicy,
     PreprocessLimits,
     Preprocessor,
     parse_preprocess_request,
@@ -68,7 +70,8 @@ class TritonPythonModel:
         self.preprocessor = Preprocessor(
             engine["model"],
             limits=PreprocessLimits.from_parameters(config, mm_limits(engine)),
-            user_control_tokens=config.get("user_control_tokens") or "escape",
+            # the parameter's text: Preprocessor refuses any other value with a precise error
+            user_control_tokens=cast(ControlTokenPolicy, config.get("user_control_tokens") or "escape"),
         )
         freeze_startup_heap()
 
