@@ -103,7 +103,7 @@ def build_workload(preprocessor, seeds: list[int], args) -> list[Request]:
         start = time.perf_counter()
         tensors = preprocessor(text, images=encoded, pcm=[(a, AUDIO_SAMPLE_RATE) for a in audios])
         elapsed = time.perf_counter() - start
-        processed = processed_prompt(preprocessor.family, tensors["input_ids"], tensors)
+        processed = processed_prompt(preprocessor.family, tensors["input_ids"], preprocessor.decode_wire(tensors))
         requests.append(Request(seed, raw, processed, len(processed["prompt_token_ids"]), elapsed))
     return requests
 

@@ -702,7 +702,8 @@ class InProcessSystem(System):
         from mmserve.inputs import processed_prompt
 
         tensors = await self.preprocessing(request)
-        prompt = processed_prompt(self.preprocessing.preprocessor.family, tensors["input_ids"], tensors)
+        preprocessor = self.preprocessing.preprocessor
+        prompt = processed_prompt(preprocessor.family, tensors["input_ids"], preprocessor.decode_wire(tensors))
         async for output in self.runner.stream(prompt, self.params):
             yield list(output.outputs[0].token_ids)
 

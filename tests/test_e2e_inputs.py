@@ -259,6 +259,9 @@ class BadTensors:
     message: str
     code: str | None = "INVALID_ARG"
     extra: dict[str, Any] = field(default_factory=dict)
+    wire: bool = False
+    """Start from preprocess's tensors as it sends them (``pixel_values_uint8``) rather than the HF
+    processor's (``pixel_values``), what a client that runs the processor itself sends."""
 
 
 def _edit(**changes: Any) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
@@ -346,6 +349,27 @@ LLM_CASES: list[BadTensors] = [
         "mm_llm",
         _edit(pixel_values=lambda p: p[:, :100]),
         r"image, pixel_values: expected 1176 values per patch",
+    ),
+    BadTensors(
+        "pixel_values_uint8 patch size",
+        "mm_llm",
+        _edit(pixel_values_uint8=lambda p: p[:, :100]),
+        r"image, pixel_values_uint8: expected uint8 of shape \(patches, 1176\), found uint8 of shape \(\d+, 100\)",
+        wire=True,
+    ),
+    BadTensors(
+        "pixel_values_uint8 with image_grid_thw doubled",
+        "mm_llm",
+        _edit(image_grid_thw=lambda g: g * 2),
+        r"image, pixel_values_uint8: expected \d+ patches \(sum of t\*h\*w over image_grid_thw\), found \d+ rows",
+        wire=True,
+    ),
+    BadTensors(
+        "pixel_values and pixel_values_uint8",
+        "mm_llm",
+        _edit(pixel_values=np.zeros((4, 1176), np.float32)),
+        r"image, pixel_values_uint8: expected pixel_values or pixel_values_uint8, not both",
+        wire=True,
     ),
     BadTensors(
         "audio mask not a prefix",
@@ -465,18 +489,30 @@ def test_bad_raw_request(server, references, case: BadRaw, entry: str, protocol:
 
 
 @pytest.fixture(scope="module")
-def processed(tiny_models) -> dict[str, np.ndarray]:
-    """preprocess's tensors of a request with an image and a clip (computed here, offline)."""
+def wire(tiny_models) -> dict[str, np.ndarray]:
+    """preprocess's tensors of a request with an image and a clip, as it sends them to mm_llm
+    (``pixel_values_uint8``; computed here, offline)."""
     from mmserve.serving.preprocess import Preprocessor
 
     tensors = Preprocessor(tiny_models["qwen2_5_omni"])("Describe it.", [GOOD_IMAGE], [GOOD_AUDIO])
+    assert tensors["pixel_values_uint8"].size and not tensors["pixel_values"].size
     tensors["sampling_parameters"] = np.array([json.dumps(sampling(4)).encode()], dtype=object)
     tensors["stream"] = np.array([False])
     return tensors
 
 
+@pytest.fixture(scope="module")
+def processed(tiny_models, wire) -> dict[str, np.ndarray]:
+    """The same request as a client that runs the HF processor itself sends it (``pixel_values``)."""
+    from mmserve.serving.preprocess import Preprocessor
+
+    tensors = Preprocessor(tiny_models["qwen2_5_omni"]).decode_wire(wire)
+    assert tensors["pixel_values"].dtype == np.float32 and "pixel_values_uint8" not in tensors
+    return tensors
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in LLM_CASES])
-def test_bad_tensors(server, references, processed, case: BadTensors):
+def test_bad_tensors(server, references, processed, wire, case: BadTensors):
     from mmserve.client import ClientError
 
     if case.model == "preprocess":
@@ -486,15 +522,18 @@ def test_bad_tensors(server, references, processed, case: BadTensors):
             infer_tensors(server, "preprocess", tensors)
     else:
         with pytest.raises(ClientError) as error:
-            send_tensors(server, "mm_llm", case.change(processed))
+            send_tensors(server, "mm_llm", case.change(wire if case.wire else processed))
     _assert_error(str(error.value), case.code, case.message)
     _assert_still_serving(server, references, "mm_ensemble", "grpc")
 
 
-def test_processed_request_to_mm_llm_is_served(server, processed):
-    """The unmodified tensors the bad cases start from are served (the cases fail for their change)."""
+def test_processed_request_to_mm_llm_is_served(server, processed, wire):
+    """The unmodified tensors the bad cases start from are served (the cases fail for their change),
+    with the same answer in either form of the patches."""
     [final] = [r for r in send_tensors(server, "mm_llm", processed) if r.output_ids]
     assert len(final.output_ids) == 4
+    [from_wire] = [r for r in send_tensors(server, "mm_llm", wire) if r.output_ids]
+    assert from_wire.output_ids == final.output_ids
 
 
 # -- the findings of issue 6, each as a regression test ------------------------------------------

@@ -309,7 +309,7 @@ class _Checkpoint:
         from mmserve.passthrough.items import ProcessedItems
         from mmserve.passthrough.placeholders import placeholder_runs
 
-        outputs = self.preprocessor("Describe it.", **media)
+        outputs = self.preprocessor.decode_wire(self.preprocessor("Describe it.", **media))
         ids = outputs.pop("input_ids").tolist()
         data = processed_multi_modal_data(self.family, outputs)[modality]
         spec = self.family.modality(modality)

@@ -33,9 +33,15 @@ def test_preprocess_matches_the_hf_processor_on_decoded_media(preprocessor, omni
     wave = soundfile.read(io.BytesIO(encode_audio(audio)), dtype="float32")[0]
     ref = omni_reference.processor_inputs(text, [image], [wave])
     assert out["input_ids"].tolist() == ref["input_ids"][0].tolist()
+    # The patches travel as uint8, before the processor's rescale and normalize (a quarter of the
+    # bytes); decoded as mm_llm decodes them they are the processor's own float32 values.
+    assert out["pixel_values"].size == 0 and out["pixel_values_uint8"].dtype == np.uint8
+    assert out["pixel_values_uint8"].nbytes * 4 == ref["pixel_values"].numpy().nbytes
+    decoded = preprocessor.decode_wire(out)
+    assert "pixel_values_uint8" not in decoded
     for name in ("pixel_values", "image_grid_thw"):
-        assert out[name].dtype == ref[name].numpy().dtype
-        np.testing.assert_array_equal(out[name], ref[name].numpy())
+        assert decoded[name].dtype == ref[name].numpy().dtype
+        np.testing.assert_array_equal(decoded[name], ref[name].numpy())
     # Audio: the processor pads the clip to its 30-s window; preprocess keeps only the valid frames
     # (all the model reads), which are the processor's own values.
     mask = ref["feature_attention_mask"].numpy()
@@ -50,7 +56,35 @@ def test_preprocess_matches_the_hf_processor_on_decoded_media(preprocessor, omni
     assert type(preprocessor.processor.image_processor).__module__.endswith("image_processing_qwen2_vl")
     # The same image as a data URL (what JSON clients send) gives the same tensors.
     url = "data:image/png;base64," + base64.b64encode(png).decode()
-    np.testing.assert_array_equal(preprocessor("Describe.", [url])["pixel_values"], out["pixel_values"])
+    np.testing.assert_array_equal(preprocessor("Describe.", [url])["pixel_values_uint8"], out["pixel_values_uint8"])
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_omni", "qwen2_5_vl"])
+def test_uint8_patches_decode_to_the_processors_own_values(tiny_models, family):
+    """``PatchNormalization`` on the processor's uint8 patches (rescale and normalize off) gives its
+    float32 ``pixel_values`` bit for bit: random images of many sizes, aspect ratios and modes, one
+    or several per call."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from mmserve.families import get_family
+
+    processor = AutoImageProcessor.from_pretrained(tiny_models[family])
+    decode = get_family(family).wire_decoders(tiny_models[family])["image"]
+    rng = np.random.default_rng(11)
+    for trial in range(8):
+        images = []
+        for _ in range(1 + trial % 3):
+            width, height = (int(v) for v in rng.integers(28, 700, size=2))
+            pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+            images.append(Image.fromarray(pixels).convert(["RGB", "L", "RGBA"][trial % 3]))
+        reference = processor(images=images, return_tensors="np")
+        raw = processor(images=images, return_tensors="np", do_rescale=False, do_normalize=False)
+        assert raw["pixel_values"].dtype == np.uint8
+        decoded = decode({"pixel_values_uint8": raw["pixel_values"], "image_grid_thw": raw["image_grid_thw"]})
+        assert decoded["pixel_values"].dtype == np.float32
+        np.testing.assert_array_equal(decoded["pixel_values"], reference["pixel_values"])
+        np.testing.assert_array_equal(decoded["image_grid_thw"], reference["image_grid_thw"])
 
 
 def test_audio_features_are_the_full_window_ones_on_the_valid_frames(preprocessor, omni_reference):
@@ -80,7 +114,7 @@ def test_audio_features_are_the_full_window_ones_on_the_valid_frames(preprocesso
 
 def test_preprocess_empty_modalities_and_pcm(preprocessor):
     out = preprocessor("Hi")
-    assert out["pixel_values"].shape[0] == 0 and out["input_features"].shape[0] == 0
+    assert out["pixel_values"].shape[0] == out["pixel_values_uint8"].shape[0] == out["input_features"].shape[0] == 0
     assert out["image_grid_thw"].shape == (0, 3)
     wave = sample_audio(1, seconds=1.0, sample_rate=8000)
     resampled = preprocessor("Hi", pcm=[(wave, 8000)])
@@ -159,6 +193,43 @@ def test_parse_request_groups_tensors_by_modality():
         parse_request(get_family("qwen2_5_vl"), tensors.get)
     with pytest.raises(RequestError, match="input_ids: expected a non-empty INT64 tensor"):
         parse_request(get_family("qwen2_5_omni"), lambda name: None)
+
+
+def test_parse_request_decodes_uint8_patches(tiny_models, preprocessor):
+    """``pixel_values_uint8`` (what preprocess sends) reaches the engine as the same float32
+    ``pixel_values`` a client running the HF processor sends; what can't be decoded is refused,
+    naming the tensor."""
+    from mmserve.errors import InputError
+    from mmserve.families import get_family
+    from mmserve.serving.llm import parse_request
+
+    family = get_family("qwen2_5_omni")
+    decoders = family.wire_decoders(tiny_models["qwen2_5_omni"])
+    wire = preprocessor("Describe.", [encode_image(sample_image(5, size=(90, 60)))])
+    hf = preprocessor.decode_wire(wire)
+
+    def image_data(tensors):
+        request = parse_request(family, tensors.get, wire_decoders=decoders)
+        return request.prompt["multi_modal_data"]["image"]
+
+    from_wire, from_hf = image_data(wire), image_data(hf)
+    assert from_wire["pixel_values"].dtype == np.float32
+    np.testing.assert_array_equal(from_wire["pixel_values"], from_hf["pixel_values"])
+    assert set(from_wire) == set(from_hf) == {"pixel_values", "image_grid_thw"}
+
+    both = {**wire, "pixel_values": hf["pixel_values"]}
+    with pytest.raises(
+        InputError, match=r"image, pixel_values_uint8: expected pixel_values or pixel_values_uint8, not both"
+    ):
+        image_data(both)
+    narrow = {**wire, "pixel_values_uint8": wire["pixel_values_uint8"][:, :100]}
+    with pytest.raises(
+        InputError,
+        match=r"image, pixel_values_uint8: expected uint8 of shape \(patches, 1176\), found uint8 of shape \(\d+, 100\)",
+    ):
+        image_data(narrow)
+    with pytest.raises(InputError, match=r"pixel_values_uint8: the qwen2_5_omni model takes no such input"):
+        parse_request(family, wire.get)  # no decoders: the tensor is refused, not ignored
 
 
 def _model_config(name: str):

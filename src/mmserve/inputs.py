@@ -79,10 +79,14 @@ def processed_multi_modal_data(family: FamilySpec, tensors: Mapping[str, Any]) -
     """Group the HF processor's feature tensors by modality, as the pass-through parser takes them.
 
     A modality whose tensors are absent or empty (zero items) is left out. Tensors that belong to no
-    modality of the family (``input_ids``, ``attention_mask``, ...) are ignored.
+    modality of the family (``input_ids``, ``attention_mask``, ...) are ignored; the families' wire
+    fields (``preprocess``'s ``pixel_values_uint8``) must be decoded first.
     """
     data: dict[str, dict[str, Any]] = {}
     for spec in family.modalities:
+        wire = sorted(name for name in spec.wire_field_names if _numel(tensors.get(name, ())) > 0)
+        if wire:
+            raise ValueError(f"{', '.join(wire)}: decode the wire fields first (Preprocessor.decode_wire)")
         fields = {name: tensors[name] for name in spec.field_names if name in tensors}
         if fields and any(_numel(value) > 0 for value in fields.values()):
             data[spec.modality] = fields

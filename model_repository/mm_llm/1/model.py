@@ -111,7 +111,9 @@ class TritonPythonModel:
                         target=self._drain, args=(float(drain.reshape(-1)[0]), sink), name="mm_llm-drain", daemon=True
                     ).start()
                     continue
-                parsed = parse_request(self.family, get, vocab_size=self.service.vocab_size)
+                parsed = parse_request(
+                    self.family, get, vocab_size=self.service.vocab_size, wire_decoders=self.service.wire_decoders
+                )
             except Exception as exc:  # noqa: BLE001 - every failure is answered (triton_error scrubs it)
                 sink.send_error(exc)
                 continue

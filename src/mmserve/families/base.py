@@ -9,8 +9,9 @@ turns one item's tensors into its placeholder count. Nothing else in the project
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
 
 FieldSpec = TensorSpec
 """One tensor of a modality, as the HF processor outputs it for all items of a request."""
+
+WireDecoder = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
+"""A modality's tensors of one request with its wire fields -> the same with ``fields`` only."""
 
 
 def non_finite_count(tensor: torch.Tensor) -> int:
@@ -43,9 +47,6 @@ def non_finite_count(tensor: torch.Tensor) -> int:
     return int((~torch.isfinite(tensor)).sum())
 
 
-"""One tensor of a modality, as the HF processor outputs it for all items of a request."""
-
-
 class ModalitySpec(ABC):
     """The rules of one modality of one family.
 
@@ -58,9 +59,25 @@ class ModalitySpec(ABC):
     fields: tuple[FieldSpec, ...]
     placeholder_token: str
 
+    wire_fields: tuple[FieldSpec, ...] = ()
+    """Smaller stand-ins for some of ``fields`` on the way from ``preprocess`` to ``mm_llm`` (e.g.
+    image patches before the processor's normalization: a quarter of the bytes), which
+    ``wire_decoder`` turns back into ``fields`` before anything else reads them."""
+
     @property
     def field_names(self) -> frozenset[str]:
         return frozenset(f.name for f in self.fields)
+
+    @property
+    def wire_field_names(self) -> frozenset[str]:
+        return frozenset(f.name for f in self.wire_fields)
+
+    def wire_decoder(self, model: str | Path) -> WireDecoder | None:
+        """What turns this modality's ``wire_fields`` back into ``fields`` for the checkpoint at
+        ``model`` (None: the modality has no wire fields). It takes and returns the modality's
+        tensors of one request, and raises ``ProcessedInputError`` for wire tensors it can't
+        decode."""
+        return None
 
     def check_fields(self, data: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Presence, type, dtype kind and rank of every field; returns the fields as tensors."""
@@ -141,8 +158,9 @@ class ModalitySpec(ABC):
         return {}
 
     def compact(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The processor's output for this modality with padding the model never reads removed
-        (smaller tensors on every hop); the model's outputs must stay identical. Default: as is."""
+        """The processor's output for this modality in the smallest form that gives the model the
+        same values (smaller tensors on every hop): padding the model never reads removed, wire
+        fields in place of the fields they stand for. Default: as is."""
         return dict(data)
 
     def max_item_seconds(self, checkpoint_config: Mapping[str, Any], processor: Any) -> float | None:
@@ -169,6 +187,34 @@ class FamilySpec:
     def modality(self, name: str) -> ModalitySpec | None:
         return next((m for m in self.modalities if m.modality == name), None)
 
+    def wire_decoders(self, model: str | Path) -> dict[str, WireDecoder]:
+        """Per modality that has wire fields, its decoder for the checkpoint at ``model``."""
+        decoders = {m.modality: m.wire_decoder(model) for m in self.modalities}
+        return {modality: decoder for modality, decoder in decoders.items() if decoder is not None}
+
+    def decode_wire(self, tensors: Mapping[str, Any], decoders: Mapping[str, WireDecoder]) -> dict[str, Any]:
+        """``tensors`` (a request's, or ``preprocess``'s outputs) with the wire fields turned back
+        into the fields they stand for (``decoders``: ``wire_decoders``): what the HF processor
+        itself outputs. Empty wire fields are dropped, and so are a modality's empty tensors where
+        its wire fields are not."""
+        out = dict(tensors)
+        for modality in self.modalities:
+            wire = {name: out.pop(name) for name in modality.wire_field_names if name in out}
+            if not any(_numel(value) for value in wire.values()):
+                continue
+            decoder = decoders.get(modality.modality)
+            if decoder is None:
+                raise ProcessedInputError(
+                    modality.modality,
+                    field=",".join(sorted(wire)),
+                    expected=f"the fields {sorted(modality.field_names)} (no decoder for this checkpoint)",
+                    found="wire fields",
+                )
+            own = {name: out.pop(name) for name in modality.field_names if name in out}
+            own = {name: value for name, value in {**own, **wire}.items() if _numel(value)}
+            out.update(decoder(own))
+        return out
+
     @property
     def hf_overrides(self) -> dict[str, list[str]]:
         return {"architectures": [self.passthrough_architecture]}
@@ -185,3 +231,7 @@ def as_tensor(value: Any, modality: str, field: str) -> torch.Tensor:
     raise ProcessedInputError(
         modality, field=field, expected="a torch.Tensor or numpy.ndarray", found=type(value).__name__
     )
+
+
+def _numel(value: Any) -> int:
+    return int(np.asarray(value).size) if value is not None else 0

@@ -5,16 +5,58 @@ only pick these up with their own placeholder tokens."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mmserve.errors import ProcessedInputError
-from mmserve.families.base import FieldSpec, ModalitySpec
+from mmserve.families.base import FieldSpec, ModalitySpec, WireDecoder
 
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True)
+class PatchNormalization:
+    """The HF image processor's rescale and normalize, applied to the patches it outputs as uint8
+    when both are off (``do_rescale=False, do_normalize=False``; resizing and patching are the same
+    either way). The float32 values are bit-identical to the processor's own: it fuses the two steps
+    into ``(x - mean / rescale_factor) / (std / rescale_factor)`` per channel, in float32
+    (transformers' ``TorchvisionBackend.rescale_and_normalize``); ``tests/test_serving.py`` compares
+    them on random images."""
+
+    mean: np.ndarray
+    """Per channel, float32, divided by ``rescale_factor`` as the processor fuses it."""
+    std: np.ndarray
+    patch_dim: int
+    """Values per patch: channels * temporal_patch_size * patch_size**2, channels outermost."""
+
+    @classmethod
+    def of(cls, image_processor: Any) -> PatchNormalization | None:
+        """The processor's normalization; None unless it rescales and normalizes (per channel)."""
+        if not (getattr(image_processor, "do_rescale", False) and getattr(image_processor, "do_normalize", False)):
+            return None
+        import torch
+
+        # As transformers computes them: float32 tensors times the Python float 1 / rescale_factor.
+        scale = 1.0 / image_processor.rescale_factor
+        mean = (torch.tensor(image_processor.image_mean) * scale).numpy()
+        std = (torch.tensor(image_processor.image_std) * scale).numpy()
+        if mean.ndim != 1 or mean.shape != std.shape:
+            return None
+        patch_dim = mean.size * image_processor.temporal_patch_size * image_processor.patch_size**2
+        return cls(mean, std, patch_dim)
+
+    def __call__(self, patches: np.ndarray) -> np.ndarray:
+        """uint8 patches (rows, patch_dim) -> the processor's float32 ``pixel_values``."""
+        rows = patches.shape[0]
+        values = patches.reshape(rows, self.mean.size, -1).astype(np.float32)
+        values -= self.mean[:, None]
+        values /= self.std[:, None]
+        return values.reshape(rows, self.patch_dim)
 
 
 class QwenVisionImage(ModalitySpec):
@@ -22,6 +64,10 @@ class QwenVisionImage(ModalitySpec):
 
     One image of patch grid (t, h, w) occupies ``t*h*w / spatial_merge_size**2`` placeholder tokens
     (the HF processor's rule: ``image_grid_thw.prod() // merge_size**2``).
+
+    On the wire from ``preprocess`` to ``mm_llm`` the patches travel as ``pixel_values_uint8``, the
+    processor's output before its rescale and normalize (a quarter of ``pixel_values``' bytes, and
+    less work for the processor); ``mm_llm`` applies them (``PatchNormalization``).
     """
 
     modality = "image"
@@ -43,6 +89,76 @@ class QwenVisionImage(ModalitySpec):
                 "patch grid (t, h, w) of each image, in the order the images appear in the prompt",
             ),
         )
+        self.wire_fields = (
+            FieldSpec(
+                "pixel_values_uint8",
+                "uint8",
+                ("patches", "patch_dim"),
+                "pixel_values before the processor's rescale and normalize (its output with "
+                "do_rescale=False, do_normalize=False), which mm_llm applies: send this or "
+                "pixel_values",
+            ),
+        )
+
+    def processor_kwargs(self, processor: Any, items: Sequence[Any]) -> dict[str, Any]:
+        """Patches left as uint8 (``compact`` sends them so) where ``mm_llm`` can normalize them."""
+        if PatchNormalization.of(getattr(processor, "image_processor", None)) is None:
+            return {}
+        return {"images_kwargs": {"do_rescale": False, "do_normalize": False}}
+
+    def compact(self, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """uint8 patches (see ``processor_kwargs``) go as ``pixel_values_uint8``."""
+        out = dict(data)
+        pixels = out.get("pixel_values")
+        if pixels is not None and np.asarray(pixels).dtype == np.uint8:
+            out["pixel_values_uint8"] = out.pop("pixel_values")
+        return out
+
+    def wire_decoder(self, model: str | Path) -> WireDecoder:
+        from transformers import AutoImageProcessor
+
+        normalization = PatchNormalization.of(AutoImageProcessor.from_pretrained(str(model)))
+
+        def decode(data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+            out = dict(data)
+            patches = out.pop("pixel_values_uint8", None)
+            if patches is None:
+                return out
+            if "pixel_values" in out:
+                raise ProcessedInputError(
+                    "image",
+                    field="pixel_values_uint8",
+                    expected="pixel_values or pixel_values_uint8, not both",
+                    found="both",
+                )
+            if normalization is None:
+                raise ProcessedInputError(
+                    "image",
+                    field="pixel_values_uint8",
+                    expected="pixel_values (this checkpoint's image processor does not rescale and normalize)",
+                    found=f"shape {tuple(patches.shape)}",
+                )
+            if patches.dtype != np.uint8 or patches.ndim != 2 or patches.shape[1] != normalization.patch_dim:
+                raise ProcessedInputError(
+                    "image",
+                    field="pixel_values_uint8",
+                    expected=f"uint8 of shape (patches, {normalization.patch_dim})",
+                    found=f"{patches.dtype} of shape {tuple(patches.shape)}",
+                )
+            grid = out.get("image_grid_thw")
+            if grid is not None and grid.ndim == 2 and grid.shape[1] == 3:
+                rows = int(np.asarray(grid).prod(-1).sum())
+                if patches.shape[0] != rows:
+                    raise ProcessedInputError(
+                        "image",
+                        field="pixel_values_uint8",
+                        expected=f"{rows} patches (sum of t*h*w over image_grid_thw)",
+                        found=f"{patches.shape[0]} rows",
+                    )
+            out["pixel_values"] = normalization(patches)
+            return out
+
+        return decode
 
     @staticmethod
     def _vision(hf_config: PretrainedConfig) -> tuple[int, int]:

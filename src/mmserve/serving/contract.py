@@ -1,8 +1,9 @@
 """The tensors that travel between ``preprocess`` and ``mm_llm`` (and from clients that preprocess on
 their side straight to ``mm_llm``): the HF processor's own names, native dtypes and shapes.
 
-The feature tensors are the union of the families' fields (``mmserve.families``), so the families
-stay the one place that knows them. ``preprocess`` always outputs every feature tensor, empty (zero
+The feature tensors are the union of the families' fields and wire fields (``mmserve.families``:
+e.g. ``pixel_values_uint8``, which ``preprocess`` sends in place of ``pixel_values``), so the
+families stay the one place that knows them. ``preprocess`` always outputs every feature tensor, empty (zero
 items) when the request has no media of that modality, so that one ensemble serves every family.
 The request and response tensors around them are in ``mmserve.wire`` (which the client imports
 without torch); ``MM_LLM_INPUTS`` puts the two together. ``tests/test_serving.py`` checks the model
@@ -28,7 +29,7 @@ def _feature_tensors() -> tuple[FieldSpec, ...]:
     fields: dict[str, FieldSpec] = {}
     for family in FAMILIES.values():
         for modality in family.modalities:
-            for spec in modality.fields:
+            for spec in (*modality.fields, *modality.wire_fields):
                 known = fields.setdefault(spec.name, spec)
                 if (known.dtype, known.triton_dims) != (spec.dtype, spec.triton_dims):
                     raise ValueError(f"{spec.name}: families disagree on its dtype or dims")

@@ -29,6 +29,7 @@ from mmserve import wire
 from mmserve.engine import SHUTDOWN_GRACE_S, EngineRunner
 from mmserve.errors import CancelledError, InputError, ServiceError, UnavailableError, public_error
 from mmserve.families import FamilySpec
+from mmserve.families.base import WireDecoder
 from mmserve.inputs import family_of_checkpoint, processed_prompt, read_engine_config
 from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
 from mmserve.serving.outbox import Outbox
@@ -109,12 +110,18 @@ class GenerateRequest:
 
 # -- reading a request ---------------------------------------------------------------------------
 def parse_request(
-    family: FamilySpec, get: Callable[[str], np.ndarray | None], *, vocab_size: int | None = None
+    family: FamilySpec,
+    get: Callable[[str], np.ndarray | None],
+    *,
+    vocab_size: int | None = None,
+    wire_decoders: Mapping[str, WireDecoder] | None = None,
 ) -> GenerateRequest:
     """Read one request through ``get(name) -> array | None`` (None: optional input not sent).
 
     ``vocab_size`` bounds the prompt's token ids (an id past the embedding table would fail inside
-    the model, in the engine process).
+    the model, in the engine process). ``wire_decoders`` (``FamilySpec.wire_decoders``) turn the
+    family's wire fields (``pixel_values_uint8``) back into its fields; without them those are
+    refused.
     """
     ids = get(INPUT_IDS.name)
     if ids is None or ids.size == 0:
@@ -130,7 +137,9 @@ def parse_request(
             f"input_ids: expected token ids in [0, {vocab_size or 'vocab size'}), found {bad} at position {where}"
         )
 
+    wire_decoders = wire_decoders or {}
     accepted = {name for spec in family.modalities for name in spec.field_names}
+    accepted |= {name for spec in family.modalities if spec.modality in wire_decoders for name in spec.wire_field_names}
     features: dict[str, np.ndarray] = {}
     for spec in FEATURE_TENSORS:
         value = get(spec.name)
@@ -141,6 +150,7 @@ def parse_request(
                 f"{spec.name}: the {family.name} model takes no such input (it takes {sorted(accepted)})"
             )
         features[spec.name] = value
+    features = family.decode_wire(features, wire_decoders)
 
     flags = {}
     for name in FLAG_INPUTS:
@@ -276,6 +286,7 @@ class LLMService:
         self.runner = runner
         self.stream_flush_ms = stream_flush_ms
         self.family = family_of_checkpoint(runner.engine_args["model"])
+        self.wire_decoders = self.family.wire_decoders(runner.engine_args["model"])
         self.vocab_size: int | None = runner.vocab_size
         self.health = health or HealthConfig()
         self._on_failure = on_failure

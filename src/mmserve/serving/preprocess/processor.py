@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mmserve.families.base import WireDecoder
 from mmserve.inputs import family_of_checkpoint
 from mmserve.passthrough.placeholders import placeholder_runs
 from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS, empty_feature
@@ -93,6 +94,7 @@ class Preprocessor:
         except ValueError as exc:
             raise ValueError(f"{self.model}: {exc}") from None
         self._min_audio_samples: int | None = None  # found on the first too-short clip
+        self._wire_decoders: dict[str, WireDecoder] | None = None  # loaded by the first decode_wire
         self._configure(limits or PreprocessLimits(), user_control_tokens)
 
     def with_settings(
@@ -400,12 +402,20 @@ class Preprocessor:
         self._check_placeholders(input_ids, pil_images, clips, raw_prompt=not apply_chat_template)
         return {INPUT_IDS.name: input_ids, **self._features(processed)}
 
+    def decode_wire(self, outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A call's outputs as the HF processor itself gives them (``pixel_values`` for
+        ``pixel_values_uint8``, as ``mm_llm`` decodes them), for callers that hand them to an engine
+        of their own (``mmserve.inputs.processed_prompt``)."""
+        if self._wire_decoders is None:
+            self._wire_decoders = self.family.wire_decoders(self.model)
+        return self.family.decode_wire(outputs, self._wire_decoders)
+
     def _features(self, processed: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Every feature tensor of the contract, without padding the model never reads (the
-        family's ``compact``); float ones checked finite."""
+        """Every feature tensor of the contract, in the family's compact form (``compact``: no
+        padding the model never reads, wire fields where it has them); float ones checked finite."""
         processed = dict(processed)
         for modality in self.family.modalities:
-            present = {name: processed[name] for name in modality.field_names if processed.get(name) is not None}
+            present = {name: processed.pop(name) for name in modality.field_names if processed.get(name) is not None}
             if present:
                 processed.update(modality.compact(present))
         outputs = {}
