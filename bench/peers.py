@@ -1267,9 +1267,10 @@ def results_table(workload: str, stats: Mapping[tuple[str, int, str], Stats], se
 def wire_bytes(settings: Settings) -> dict[str, dict[str, int]]:
     """Per workload and system, the bytes of one request that cross a process boundary on its way
     to the engine core (computed from the tensors; the streamed outputs, a few bytes per token, left
-    out): the client's payload and its copy to ``preprocess``; ``preprocess``'s feature tensors to
-    tritonserver, on to ``mm_llm`` and to the engine core (Triton systems), or the API server's to
-    the engine core (``vllm-serve``)."""
+    out): the client's payload and its copy to ``preprocess``; ``preprocess``'s feature tensors as
+    it sends them (``pixel_values_uint8``) to tritonserver and on to ``mm_llm``, then the decoded
+    ones (the HF processor's float32 ``pixel_values``) to the engine core (Triton systems); the
+    API server's (the HF processor's) to the engine core (``vllm-serve``)."""
     from mmserve.serving.preprocess import Preprocessor
 
     preprocessor = Preprocessor(settings.model)
@@ -1277,14 +1278,14 @@ def wire_bytes(settings: Settings) -> dict[str, dict[str, int]]:
     for workload in settings.workloads:
         request = make_request(workload, 1, settings)
         raw = len(request.text.encode()) + sum(map(len, request.images)) + sum(map(len, request.audios))
-        features = sum(
-            a.nbytes for a in preprocessor(request.text, images=request.images, audios=request.audios).values()
-        )
+        outputs = preprocessor(request.text, images=request.images, audios=request.audios)
+        wire = sum(a.nbytes for a in outputs.values())
+        features = sum(a.nbytes for a in preprocessor.decode_wire(outputs).values())
         as_json = len(json.dumps(chat_content(request)))
         per_system = {
-            ENSEMBLE: 2 * raw + 3 * features,
-            GATEWAY: as_json + 2 * raw + 3 * features,
-            DIRECT: 3 * features,
+            ENSEMBLE: 2 * raw + 2 * wire + features,
+            GATEWAY: as_json + 2 * raw + 2 * wire + features,
+            DIRECT: 2 * wire + features,
             VLLM_SERVE: as_json + features,
             RENDER: as_json + 11 * features // 3,  # the features as base64 JSON twice, then binary
             IN_PROCESS: features,
