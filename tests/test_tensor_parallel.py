@@ -77,7 +77,9 @@ def served_prompt(service, preprocessor, case) -> dict:
     from mmserve.serving.llm import parse_request
 
     tensors = preprocessor(case.text, case.images, case.audios)
-    return parse_request(service.family, tensors.get, vocab_size=service.vocab_size).prompt
+    return parse_request(
+        service.family, tensors.get, vocab_size=service.vocab_size, wire_decoders=service.wire_decoders
+    ).prompt
 
 
 def test_model_json_parallel_arguments_reach_vllm(tp_config, service):
