@@ -233,9 +233,14 @@ RAW_CASES: list[BadRaw] = [
         "temperature -1", Raw(sampling={"temperature": -1}), r"sampling_parameters: temperature must be non-negative"
     ),
     BadRaw(
-        "structured_outputs",
-        Raw(sampling={"structured_outputs": {"json": {}}}),
-        r"sampling_parameters: .*structured_outputs.* not supported",
+        "structured_outputs two constraints",
+        Raw(sampling={"structured_outputs": {"json": {}, "regex": "a+"}}),
+        r"sampling_parameters: structured_outputs: expected exactly one of \[.*\], found json, regex",
+    ),
+    BadRaw(
+        "structured_outputs regex that does not compile",
+        Raw(sampling={"structured_outputs": {"regex": "a(b"}}),
+        r"sampling_parameters: structured_outputs\.regex: .*unclosed group",
     ),
     BadRaw("logit_bias bad key", Raw(sampling={"logit_bias": {"x": 1}}), r"sampling_parameters: logit_bias"),
     BadRaw("n 2", Raw(sampling={"n": 2}), r"sampling_parameters: n: only 1 completion"),

@@ -31,11 +31,15 @@ from utils import (
     ENTRIES,
     MAX_TOKENS,
     ROOT,
+    STRUCTURED,
+    STRUCTURED_REFERENCES,
     assert_cancel_stopped_the_engine,
+    assert_meets_constraint,
     generated_after_cancel,
     http_generate,
     metric,
     send_tensors,
+    structured_sampling,
 )
 from utils import client as _client
 from utils import sampling as _sampling
@@ -172,6 +176,36 @@ def test_bad_requests_get_precise_errors_and_the_server_keeps_serving(server, re
     assert "prompt_token_ids: expected" in message and "found a run of" in message
 
     assert client.generate(case.text, case.images, case.audios, **_sampling()).output_ids == case.ids
+
+
+@pytest.mark.parametrize("kind", sorted(STRUCTURED))
+def test_structured_outputs_equal_the_offline_engine(server, references, kind):
+    """vLLM's structured outputs in ``sampling_parameters`` through mm_ensemble: offline vLLM's
+    greedy output under the same constraint (the raw image), and an output that meets it."""
+    reference = STRUCTURED_REFERENCES[kind]
+    result = _client(server).generate(reference.text, reference.images, **structured_sampling(kind))
+    assert (result.output_ids, result.text) == (reference.ids, reference.output)
+    assert_meets_constraint(kind, result.text)
+
+
+@pytest.mark.parametrize(
+    ("kind", "value", "says"),
+    [
+        ("regex", "(unclosed", "unclosed group"),
+        ("json", {"type": "no-such-type"}, "no-such-type"),
+        ("grammar", "root ::= undefined_rule", "undefined_rule"),
+    ],
+)
+def test_a_constraint_the_engine_cannot_take_is_a_client_error(server, references, kind, value, says):
+    """vLLM's front end compiles the constraint before the engine: a bad one is this request's
+    [INVALID_ARG] naming the constraint and vLLM's reason, and the engine serves the next request
+    as before."""
+    client = _client(server)
+    message = _error_of(lambda: client.generate("x", **{**_sampling(), "structured_outputs": {kind: value}}))
+    assert f"[INVALID_ARG] sampling_parameters: structured_outputs.{kind}: " in message, message
+    assert says in message, message
+    case = references["text_only#1"]
+    assert client.generate(case.text, **_sampling()).output_ids == case.ids
 
 
 def _send_to_mm_llm(server, tensors: dict[str, np.ndarray]) -> None:

@@ -121,6 +121,60 @@ def test_sampling_defaults_and_aliases():
     assert params == {"max_tokens": 7, "logprobs": 0}
 
 
+SCHEMA = {"type": "object", "properties": {"color": {"type": "string"}}, "required": ["color"]}
+
+
+@pytest.mark.parametrize(
+    ("fields", "structured"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}},
+            {"json": SCHEMA},
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "c", "schema": SCHEMA, "strict": True},
+                }
+            },
+            {"json": SCHEMA},
+        ),
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        ({"response_format": {"type": "text"}}, None),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+        # two constraints: mm_llm's parser refuses them (exactly one), as vLLM's server does
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}},
+            {"json_object": True, "regex": "a+"},
+        ),
+    ],
+)
+def test_structured_output_becomes_vllms_structured_outputs(fields, structured):
+    """``response_format`` and vLLM's ``structured_outputs`` extension, mapped as vLLM's server maps
+    them (``structured_outputs_from_response_format``), into mm_llm's sampling parameters."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.exceptions import VLLMValidationError
+
+    from mmserve.errors import InputError
+    from mmserve.serving.sampling import parse_sampling_parameters
+
+    params = convert.sampling_parameters(protocol.parse_request(body(user("Hi"), **fields)))
+    assert params.get("structured_outputs") == structured
+    request = ChatCompletionRequest.model_validate(body(user("Hi"), **fields))
+    if structured is not None and len(set(structured) & {"json", "regex", "choice", "grammar", "json_object"}) > 1:
+        with pytest.raises(VLLMValidationError, match="only use one kind of structured outputs"):
+            request.extract_structured_outputs()
+        with pytest.raises(InputError, match="structured_outputs: expected exactly one of"):
+            parse_sampling_parameters(json.dumps(params), stream=False, logprobs=False)
+        return
+    reference = request.extract_structured_outputs()
+    if structured is None:
+        assert reference is None
+    else:
+        assert {k: getattr(reference, k) for k in structured} == structured
+
+
 def test_media_sources():
     assert convert.data_url_bytes("data:image/png;base64," + b64(PNG), "p") == PNG
     with pytest.raises(errors.APIError, match="p: a data URL must be base64-encoded"):  # as vllm serve
@@ -191,7 +245,20 @@ def test_media_size_limit():
     [
         (body(user("Hi"), n=2), "n", "unsupported", "only 1"),
         (body(user("Hi"), tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "unsupported", "tool"),
-        (body(user("Hi"), response_format={"type": "json_object"}), "response_format", "unsupported", "structured"),
+        (body(user("Hi"), response_format={"type": "xml"}), "response_format.type", None, "'json_schema'"),
+        (body(user("Hi"), response_format={"type": "json_schema"}), "response_format.json_schema", None, "needs"),
+        (
+            body(user("Hi"), response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+            "response_format.json_schema.schema",
+            "missing_field",
+            "required",
+        ),
+        (
+            body(user("Hi"), response_format={"type": "text", "json_schema": {"name": "x", "schema": {}}}),
+            "response_format.json_schema",
+            None,
+            "only allowed",
+        ),
         (body(user("Hi"), frobnicate=1), "frobnicate", "unknown_field", "unknown field"),
         (body(user({"type": "video_url", "video_url": {"url": "x"}})), "messages[0].content[0]", None, "video_url"),
         (

@@ -22,7 +22,17 @@ from pathlib import Path
 
 import pytest
 
-from utils import MAX_TOKENS, ROOT, assert_cancel_stopped_the_engine, generated_after_cancel
+from utils import (
+    COLOR_SCHEMA,
+    MAX_TOKENS,
+    ROOT,
+    STRUCTURED,
+    STRUCTURED_MAX_TOKENS,
+    STRUCTURED_REFERENCES,
+    assert_cancel_stopped_the_engine,
+    assert_meets_constraint,
+    generated_after_cancel,
+)
 from utils import client as triton_client
 from utils import sampling as _sampling
 
@@ -138,6 +148,43 @@ def test_greedy_output_equals_the_triton_path(server, references, sdk, case_name
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (triton.num_input_tokens, MAX_TOKENS)
     assert triton.num_input_tokens is not None
     assert reply.usage.total_tokens == triton.num_input_tokens + MAX_TOKENS
+
+
+def test_response_format_json_schema_equals_the_offline_engine(references, sdk):
+    """Extracting fields from an image as JSON (``response_format: json_schema``): offline vLLM's
+    greedy output under the same schema, valid against it; streamed, the same text."""
+    reference = STRUCTURED_REFERENCES["json"]
+    request = {
+        "model": "mm_ensemble",
+        "messages": [user_turn(reference)],
+        "temperature": 0.0,
+        "max_tokens": STRUCTURED_MAX_TOKENS,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "colors", "schema": COLOR_SCHEMA, "strict": True},
+        },
+    }
+    content = sdk.chat.completions.create(**request).choices[0].message.content
+    assert content is not None and content == reference.output
+    assert_meets_constraint("json", content)
+    chunks = sdk.chat.completions.create(**request, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference.output
+
+
+@pytest.mark.parametrize("kind", ["choice", "regex"])
+def test_vllms_structured_outputs_extension(references, sdk, kind):
+    """vLLM's ``structured_outputs`` field (``extra_body`` in the SDK), as ``vllm serve`` takes it."""
+    reference = STRUCTURED_REFERENCES[kind]
+    reply = sdk.chat.completions.create(
+        model="mm_ensemble",
+        messages=[user_turn(reference)],
+        temperature=0.0,
+        max_tokens=STRUCTURED_MAX_TOKENS,
+        extra_body={"structured_outputs": STRUCTURED[kind]},
+    )
+    content = reply.choices[0].message.content
+    assert content is not None and content == reference.output
+    assert_meets_constraint(kind, content)
 
 
 def test_multi_turn_conversation_with_an_image_in_an_earlier_turn(server, references, tiny_models, sdk):

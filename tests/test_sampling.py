@@ -11,7 +11,7 @@ import re
 import msgspec
 import pytest
 from vllm import SamplingParams
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
@@ -34,7 +34,7 @@ BAD = [
     ({"bogus": 1}, r"unknown parameter(s) ['bogus']"),
     ({"zeta": 1, "alpha": 2, "top_p": 0.5}, r"unknown parameter(s) ['alpha', 'zeta']"),
     # real SamplingParams fields this server refuses
-    ({"structured_outputs": {"regex": "a+"}}, "parameter(s) ['structured_outputs'] not supported by this server"),
+    ({"structural_tag": "x"}, r"unknown parameter(s) ['structural_tag']"),
     ({"extra_args": {"a": 1}}, "parameter(s) ['extra_args'] not supported by this server"),
     ({"output_kind": 0}, "parameter(s) ['output_kind'] not supported by this server"),
     ({"_eos_token_id": 2}, "parameter(s) ['_eos_token_id'] not supported by this server"),
@@ -108,6 +108,27 @@ BAD = [
     ({"logit_bias": {"5": "much"}}, "logit_bias['5']: expected float, found 'much'"),
     ('{"logit_bias": {"5": NaN}}', "logit_bias['5']: expected a finite float, found NaN"),
     ({"logit_bias": [[5, 1.0]]}, "logit_bias: expected an object of at most 16384 token id -> bias entries"),
+    # structured outputs
+    ({"structured_outputs": "a+"}, "structured_outputs: expected an object with one of ['json', 'regex', 'choice', "),
+    ({"structured_outputs": {}}, "structured_outputs: expected exactly one of ['json', 'regex', 'choice', 'grammar', "),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "], found regex, choice"),
+    (
+        {"structured_outputs": {"regex": "a", "structural_tag": "{}"}},
+        "structured_outputs: unknown field(s) ['structural_tag']",
+    ),
+    ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex: expected a non-empty string of at most 65536"),
+    ({"structured_outputs": {"grammar": "x" * 65537}}, "structured_outputs.grammar: expected a non-empty string"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice: expected a non-empty list of at most 256"),
+    ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice: expected a non-empty list"),
+    ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice[1]: expected a non-empty string"),
+    ({"structured_outputs": {"json": 5}}, "structured_outputs.json: expected a JSON schema (an object), found 5"),
+    ({"structured_outputs": {"json": "{"}}, "structured_outputs.json: not valid JSON"),
+    ({"structured_outputs": {"json": {"enum": ["x" * 70000]}}}, "structured_outputs.json: expected a JSON schema of"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs.json_object: expected true"),
+    (
+        {"structured_outputs": {"json_object": True, "disable_any_whitespace": 2}},
+        "disable_any_whitespace: expected bool",
+    ),
 ]
 
 
@@ -164,6 +185,29 @@ GOOD = [
     ({"logprobs": 3}, {"logprobs": 3}),
     ({"logprobs": -1}, {"logprobs": -1}),
 ]
+
+
+STRUCTURED = [
+    ({"regex": "[a-c]{3}"}, StructuredOutputsParams(regex="[a-c]{3}")),
+    ({"choice": ["yes", "no"]}, StructuredOutputsParams(choice=["yes", "no"])),
+    ({"json": {"type": "object"}}, StructuredOutputsParams(json={"type": "object"})),
+    ({"json": '{"type": "object"}', "regex": None}, StructuredOutputsParams(json={"type": "object"})),
+    ({"grammar": 'root ::= "a"'}, StructuredOutputsParams(grammar='root ::= "a"')),
+    (
+        {"json_object": "true", "disable_any_whitespace": True, "whitespace_pattern": " "},
+        StructuredOutputsParams(json_object=True, disable_any_whitespace=True, whitespace_pattern=" "),
+    ),
+]
+
+
+@pytest.mark.parametrize(("value", "expected"), STRUCTURED, ids=[f"structured{i}" for i in range(len(STRUCTURED))])
+def test_structured_outputs_reach_vllms_params(value: dict[str, object], expected: StructuredOutputsParams) -> None:
+    """vLLM's own ``StructuredOutputsParams``, which survives the engine's msgpack round trip."""
+    params = parse({"structured_outputs": value})
+    assert params.structured_outputs == expected
+    decoded = MsgpackDecoder(EngineCoreRequest).decode(MsgpackEncoder().encode(_engine_request(params)))
+    assert decoded.sampling_params.structured_outputs == expected
+    assert parse({"structured_outputs": None}).structured_outputs is None
 
 
 @pytest.mark.parametrize(("params", "expected"), GOOD, ids=[f"good{i}" for i in range(len(GOOD))])

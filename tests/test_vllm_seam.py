@@ -20,7 +20,7 @@ PUBLIC = {
     "vllm": {"AsyncEngineArgs", "LLM", "ModelRegistry", "RequestOutput", "SamplingParams", "TokensPrompt"},
     "vllm.engine.arg_utils": {"AsyncEngineArgs"},
     "vllm.outputs": {"RequestOutput"},
-    "vllm.sampling_params": {"RequestOutputKind", "SamplingParams"},
+    "vllm.sampling_params": {"RequestOutputKind", "SamplingParams", "StructuredOutputsParams"},
     # the exceptions vLLM raises at its API for invalid requests
     "vllm.exceptions": {"VLLMClientError", "VLLMValidationError"},
 }
@@ -31,6 +31,7 @@ INTERNAL_NAMES = {
     "_maybe_apply_prompt_updates",
     "_processor_factory",
     "_validate_mm_kwargs",
+    "_validate_structured_outputs",
     "engine_core",
     "parse_model_prompt",
     "register_processor",

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -189,40 +190,92 @@ def sampling(max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     return {"max_tokens": max_tokens, "temperature": 0.0}
 
 
+COLOR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}, "count": {"type": "integer"}},
+    "required": ["color", "count"],
+    "additionalProperties": False,
+}
+STRUCTURED: dict[str, dict[str, Any]] = {
+    "json": {"json": COLOR_SCHEMA},
+    "choice": {"choice": ["yes", "no", "maybe"]},
+    "regex": {"regex": "[a-c]{3}[0-9]"},
+}
+"""vLLM structured outputs (``sampling_parameters.structured_outputs``), each sent with the request
+of ``STRUCTURED_CASE``; ``compute_references`` fills ``STRUCTURED_REFERENCES`` with offline vLLM's
+greedy output for each (``STRUCTURED_MAX_TOKENS``: enough for the tiny model to close the JSON)."""
+STRUCTURED_CASE = "image#0"
+STRUCTURED_MAX_TOKENS = 64
+STRUCTURED_REFERENCES: dict[str, Case] = {}
+
+
+def structured_sampling(kind: str) -> dict[str, Any]:
+    return {**sampling(STRUCTURED_MAX_TOKENS), "structured_outputs": STRUCTURED[kind]}
+
+
+def assert_meets_constraint(kind: str, text: str) -> None:
+    """``text`` is what ``STRUCTURED[kind]`` allows: JSON valid against the schema, one of the
+    choices, a full match of the regex."""
+    import re
+
+    import jsonschema
+
+    constraint = STRUCTURED[kind][kind]
+    if kind == "json":
+        jsonschema.validate(json.loads(text), constraint)
+    elif kind == "choice":
+        assert text in constraint, text
+    else:
+        assert re.fullmatch(constraint, text), text
+
+
 def compute_references(model: str, engine_args: dict[str, Any]) -> dict[str, Case]:
     """Offline vLLM on the raw inputs: chat template applied by the HF processor, media decoded.
 
-    The workload's cases by name; ``CONVERSATION``'s reference is filled in as well."""
+    The workload's cases by name; ``CONVERSATION``'s reference and ``STRUCTURED_REFERENCES`` are
+    filled in as well."""
     import soundfile
     from PIL import Image
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     from mmserve.engine import EngineRunner
     from mmserve_dev.hf_reference import chat_prompt, load_processor
 
     processor = load_processor(model)
-    params = SamplingParams(**sampling())
+
+    def raw_prompt(case: Case) -> dict[str, Any]:
+        parts = ["image"] * len(case.images) + ["audio"] * len(case.audios) + [f"text:{case.text}"]
+        mm: dict[str, Any] = {}
+        if case.images:
+            mm["image"] = [Image.open(io.BytesIO(b)).convert("RGB") for b in case.images]
+        if case.audios:
+            mm["audio"] = [(soundfile.read(io.BytesIO(b), dtype="float32")[0], AUDIO_SAMPLE_RATE) for b in case.audios]
+        prompt: dict[str, Any] = {
+            "prompt": chat_prompt("qwen2_5_omni", processor, parts)
+            if case.messages is None
+            else processor.apply_chat_template(case.messages, add_generation_prompt=True, tokenize=False)
+        }
+        if mm:
+            prompt["multi_modal_data"] = mm
+        return prompt
+
+    def run(engine: EngineRunner, case: Case, params: SamplingParams) -> None:
+        output = engine.generate_sync(raw_prompt(case), params)
+        completion = output.outputs[0]
+        case.ids, case.output = list(completion.token_ids), completion.text
+        case.prompt_tokens = len(output.prompt_token_ids or [])
+
     with EngineRunner(model, **engine_args) as engine:
         for case in [*WORKLOAD, CONVERSATION]:
-            parts = ["image"] * len(case.images) + ["audio"] * len(case.audios) + [f"text:{case.text}"]
-            mm: dict[str, Any] = {}
-            if case.images:
-                mm["image"] = [Image.open(io.BytesIO(b)).convert("RGB") for b in case.images]
-            if case.audios:
-                mm["audio"] = [
-                    (soundfile.read(io.BytesIO(b), dtype="float32")[0], AUDIO_SAMPLE_RATE) for b in case.audios
-                ]
-            prompt: dict[str, Any] = {
-                "prompt": chat_prompt("qwen2_5_omni", processor, parts)
-                if case.messages is None
-                else processor.apply_chat_template(case.messages, add_generation_prompt=True, tokenize=False)
-            }
-            if mm:
-                prompt["multi_modal_data"] = mm
-            output = engine.generate_sync(prompt, params)
-            completion = output.outputs[0]
-            case.ids, case.output = list(completion.token_ids), completion.text
-            case.prompt_tokens = len(output.prompt_token_ids or [])
+            run(engine, case, SamplingParams(**sampling()))
+        for kind, constraint in STRUCTURED.items():
+            structured = dataclasses.replace(BY_NAME[STRUCTURED_CASE], name=f"structured_{kind}")
+            params = SamplingParams(
+                **sampling(STRUCTURED_MAX_TOKENS), structured_outputs=StructuredOutputsParams(**constraint)
+            )
+            run(engine, structured, params)
+            STRUCTURED_REFERENCES[kind] = structured
     return BY_NAME
 
 

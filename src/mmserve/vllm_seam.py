@@ -146,6 +146,12 @@ _SIGNATURES = {
     ),
     ("vllm.multimodal", "MULTIMODAL_REGISTRY", "register_processor"): ("processor", "info", "dummy_inputs"),
     ("vllm.renderers.inputs.preprocess", "parse_model_prompt", None): ("model_config", "prompt"),
+    ("vllm.sampling_params", "SamplingParams", "_validate_structured_outputs"): (
+        "self",
+        "model_config",
+        "structured_outputs_config",
+        "tokenizer",
+    ),
     ("vllm.v1.metrics.loggers", "StatLoggerManager", "__init__"): (
         "self",
         "vllm_config",
@@ -229,6 +235,28 @@ async def render_prompt(engine: AsyncLLM, prompt: Mapping[str, Any]) -> Any:
     parsed = parse_model_prompt(engine.model_config, prompt)
     (engine_input,) = await engine.renderer.render_cmpl_async([parsed])
     return engine_input
+
+
+def structured_outputs_error(engine: AsyncLLM, params: Any) -> str | None:
+    """What vLLM's front end finds wrong with ``params.structured_outputs`` (its grammar backend
+    compiles the constraint: a bad regex, a schema it can't take), or None. For the error path of a
+    request vLLM refused, to say that its structured outputs were the cause; it runs the check
+    ``SamplingParams.verify`` runs, on a copy."""
+    constraint = getattr(params, "structured_outputs", None)
+    if constraint is None:
+        return None
+    import dataclasses
+
+    from vllm import SamplingParams
+
+    probe = SamplingParams(structured_outputs=dataclasses.replace(constraint))
+    try:
+        probe._validate_structured_outputs(
+            engine.model_config, engine.vllm_config.structured_outputs_config, engine.tokenizer
+        )
+    except Exception as exc:  # noqa: BLE001 - any complaint is the answer
+        return str(exc.args[0] if exc.args else exc)
+    return None
 
 
 def engine_core_pids(engine: AsyncLLM) -> list[int]:

@@ -164,6 +164,14 @@ def sampling_parameters(request: ChatCompletionRequest) -> dict[str, Any]:
             params[name] = value
     if request.logprobs:
         params["logprobs"] = request.top_logprobs or 0  # 0: the sampled token's only
+    structured = dict(request.structured_outputs or {})
+    response_format = request.response_format
+    if response_format is not None and response_format.type == "json_object":
+        structured["json_object"] = True  # as vLLM's server: response_format sets the constraint
+    elif response_format is not None and response_format.json_schema is not None:
+        structured["json"] = response_format.json_schema.schema_
+    if structured:
+        params["structured_outputs"] = structured
     return params
 
 

@@ -14,12 +14,18 @@ that names the field, never silently dropped:
   ``logit_bias``, ``n`` (1 only), ``logprobs``/``top_logprobs``; vLLM's extensions ``top_k``,
   ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``. Ranges are the engine's
   (``mmserve.serving.sampling``), checked there and answered 400.
+* structured output: ``response_format`` (``text``, ``json_object``, ``json_schema`` with its
+  ``schema``; ``strict`` accepted: the output follows the schema either way) and vLLM's
+  ``structured_outputs`` extension (one of ``json``, ``regex``, ``choice``, ``grammar``,
+  ``json_object``), as vLLM's server maps them: ``response_format`` sets the constraint of
+  ``structured_outputs``. Checked by ``mm_llm`` (``mmserve.serving.sampling``) and vLLM's front end,
+  answered 400.
 * ``stream``, ``stream_options`` (``include_usage``; ``include_obfuscation`` ignored).
 * ignored (no effect on the output): ``user``, ``metadata``, ``safety_identifier``,
   ``prompt_cache_key``, ``service_tier`` (``IGNORED``), ``parallel_tool_calls``, and the fields of
-  ``UNSUPPORTED`` at their defaults (``tool_choice: "none"``, ``response_format: {"type": "text"}``,
-  ``modalities: ["text"]``, ``store: false``, ...).
-* refused: tools and functions, structured output, audio output, predicted outputs, web search,
+  ``UNSUPPORTED`` at their defaults (``tool_choice: "none"``, ``modalities: ["text"]``, ``store:
+  false``, ...).
+* refused: tools and functions, audio output, predicted outputs, web search,
   reasoning effort, stored completions (``UNSUPPORTED``), any other field (``unknown_field``).
 """
 
@@ -89,6 +95,20 @@ class AssistantMessage(_Strict):
 Message = Annotated[SystemMessage | UserMessage | AssistantMessage, Field(discriminator="role")]
 
 
+class JSONSchema(_Strict):
+    """``response_format.json_schema``: OpenAI's wrapper of a JSON schema."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the grammar backend holds the output to the schema either way
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchema | None = None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # ignored: no obfuscation padding here
@@ -118,6 +138,8 @@ class ChatCompletionRequest(_Strict):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None  # each choice (each chunk's, streamed) carries its token ids
+    structured_outputs: dict[str, Any] | None = None  # vLLM's constraints, checked by mm_llm's parser
+    response_format: ResponseFormat | None = None
     # accepted, no effect
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -139,10 +161,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "parallel_tool_calls": (lambda value: True, ""),  # meaningless without tools: ignored
     "functions": (_default([]), "function calling is not supported by this server"),
     "function_call": (_default("none"), "function calling is not supported by this server"),
-    "response_format": (
-        _default({"type": "text"}),
-        'structured output (response_format) is not supported by this server; only {"type": "text"}',
-    ),
     "modalities": (_default(["text"]), 'this model answers in text only (modalities: ["text"])'),
     "audio": (_default(), "audio output is not supported: this model answers in text"),
     "prediction": (_default(), "predicted outputs are not supported by this server"),
@@ -178,6 +196,16 @@ def parse_request(body: Any) -> ChatCompletionRequest:
         and request.max_tokens != request.max_completion_tokens
     ):
         raise invalid("max_tokens and max_completion_tokens differ; give one", param="max_completion_tokens")
+    if request.response_format is not None and request.response_format.type == "json_schema":
+        if request.response_format.json_schema is None:
+            raise invalid(
+                'response_format: type "json_schema" needs its json_schema', param="response_format.json_schema"
+            )
+    elif request.response_format is not None and request.response_format.json_schema is not None:
+        raise invalid(
+            f'response_format: json_schema is only allowed with type "json_schema", found {request.response_format.type!r}',
+            param="response_format.json_schema",
+        )
     if request.stream_options is not None and not request.stream:
         raise invalid("stream_options is only allowed with stream: true", param="stream_options")
     return request

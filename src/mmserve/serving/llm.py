@@ -25,7 +25,7 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMClientError
 from vllm.outputs import RequestOutput
 
-from mmserve import wire
+from mmserve import vllm_seam, wire
 from mmserve.engine import SHUTDOWN_GRACE_S, EngineRunner
 from mmserve.errors import CancelledError, InputError, ServiceError, UnavailableError, public_error
 from mmserve.families import FamilySpec
@@ -33,7 +33,7 @@ from mmserve.families.base import WireDecoder
 from mmserve.inputs import family_of_checkpoint, processed_prompt, read_engine_config
 from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
 from mmserve.serving.outbox import Outbox
-from mmserve.serving.sampling import parse_generation_parameters
+from mmserve.serving.sampling import STRUCTURED_KINDS, parse_generation_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -434,8 +434,14 @@ class LLMService:
         except (ValueError, VLLMClientError) as exc:  # bad request, found by vLLM's input processing
             if self.runner.engine is None or self.runner.engine.errored:
                 error: ServiceError = self._unavailable() or UnavailableError("the engine is not running")
+            elif isinstance(exc, ServiceError):
+                error = public_error(exc)
+            elif detail := vllm_seam.structured_outputs_error(self.runner.engine, request.sampling_params):
+                constraint = request.sampling_params.structured_outputs
+                kind = next(k for k in STRUCTURED_KINDS if getattr(constraint, k, None) is not None)
+                error = public_error(InputError(f"sampling_parameters: structured_outputs.{kind}: {detail}"))
             else:
-                error = public_error(exc if isinstance(exc, ServiceError) else InputError(str(exc)))
+                error = public_error(InputError(str(exc)))
             post(functools.partial(sink.send_error, error))
         except Exception as exc:  # noqa: BLE001 - the engine's own failure, answered, not raised
             if self.runner.engine is None or self.runner.engine.errored:

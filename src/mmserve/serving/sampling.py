@@ -42,7 +42,7 @@ from typing import Any
 
 from vllm import SamplingParams
 from vllm.exceptions import VLLMClientError
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 from mmserve.errors import InputError
 from mmserve.vllm_seam import MsgpackDecoder, MsgpackEncoder
@@ -199,6 +199,87 @@ def _logit_bias(name: str, value: Any) -> dict[int, float]:
     return bias
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+"""The constraints of vLLM's ``StructuredOutputsParams``, of which a request sets exactly one
+(``structural_tag`` is refused: its format is vLLM-internal and changes between releases)."""
+STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+MAX_STRUCTURE_CHARS = 65536
+"""Bound on a structured-output constraint (a JSON schema as JSON text, a regex, a grammar, all the
+choices together): the engine compiles it for every request."""
+MAX_CHOICES = 256
+
+
+def _structure_text(name: str, value: Any) -> str:
+    expected = f"a non-empty string of at most {MAX_STRUCTURE_CHARS} characters"
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_STRUCTURE_CHARS:
+        raise _error(name, expected, value)
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise _error(name, expected + " of valid Unicode", value) from None
+    return value
+
+
+def _json_schema(name: str, value: Any) -> dict[str, Any]:
+    """A JSON schema: an object, or a string of one (vLLM takes both; the engine gets the object)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(_structure_text(name, value))
+        except (ValueError, RecursionError) as exc:
+            raise InputError(f"{PREFIX}{name}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise _error(name, "a JSON schema (an object)", value)
+    if len(json.dumps(value)) > MAX_STRUCTURE_CHARS:
+        raise _error(name, f"a JSON schema of at most {MAX_STRUCTURE_CHARS} characters", value)
+    return value
+
+
+def _choices(name: str, value: Any) -> list[str]:
+    expected = f"a non-empty list of at most {MAX_CHOICES} strings"
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_CHOICES:
+        raise _error(name, expected, value)
+    if not all(isinstance(item, str) for item in value) or sum(map(len, value)) > MAX_STRUCTURE_CHARS:
+        raise _error(name, expected + f" of at most {MAX_STRUCTURE_CHARS} characters in all", value)
+    return [_structure_text(f"{name}[{i}]", item) for i, item in enumerate(value)]
+
+
+def _true(name: str, value: Any) -> bool:
+    if _bool(name, value) is not True:
+        raise _error(name, "true (leave structured_outputs out for free text)", value)
+    return True
+
+
+_STRUCTURED: dict[str, Converter] = {
+    "json": _json_schema,
+    "regex": _structure_text,
+    "choice": _choices,
+    "grammar": _structure_text,
+    "json_object": _true,
+    "disable_any_whitespace": _bool,
+    "disable_additional_properties": _bool,
+    "whitespace_pattern": _structure_text,
+}
+
+
+def _structured_outputs(name: str, value: Any) -> StructuredOutputsParams:
+    """vLLM's structured outputs (``StructuredOutputsParams``): exactly one constraint, a few
+    options. The constraint itself (a schema the grammar backend can't take, a bad regex) is
+    checked by vLLM's front end before the engine, and answered as this request's error."""
+    if not isinstance(value, dict):
+        raise _error(name, f"an object with one of {list(STRUCTURED_KINDS)}", value)
+    unknown = sorted(set(value) - set(_STRUCTURED))
+    if unknown:
+        raise InputError(f"{PREFIX}{name}: unknown field(s) {unknown}; supported: {sorted(_STRUCTURED)}")
+    kinds = [kind for kind in STRUCTURED_KINDS if value.get(kind) is not None]
+    if len(kinds) != 1:
+        raise InputError(
+            f"{PREFIX}{name}: expected exactly one of {list(STRUCTURED_KINDS)}, found "
+            + (", ".join(kinds) if kinds else "none")
+        )
+    kwargs = {key: _STRUCTURED[key](f"{name}.{key}", item) for key, item in value.items() if item is not None}
+    return StructuredOutputsParams(**kwargs)
+
+
 SUPPORTED: dict[str, Converter] = {
     # ints
     "n": _int(1, INT32_MAX),  # and only 1: see parse_sampling_parameters
@@ -225,11 +306,12 @@ SUPPORTED: dict[str, Converter] = {
     "bad_words": _strings(MAX_BAD_WORDS, single=False),
     "allowed_token_ids": _token_ids(MAX_TOKEN_ID_LIST, non_empty=True),
     "logit_bias": _logit_bias,
+    "structured_outputs": _structured_outputs,
     # streaming
     "stream_interval": _int(1, INT32_MAX),  # tokens per streamed delta (vLLM's, at least the engine's)
 }
 """The fields a client may set, and how each is read. Every other SamplingParams field
-(structured_outputs, extra_args, output_kind, detokenize, prompt_logprobs, ...) is refused."""
+(extra_args, output_kind, detokenize, prompt_logprobs, ...) is refused."""
 
 MAX_STREAM_FLUSH_MS = 1000.0
 EXTENSIONS: dict[str, Converter] = {
@@ -240,7 +322,17 @@ stream's shortest interval between two responses after its first (``mm_llm``'s p
 same name is the default; 0: one response per engine output)."""
 
 NULLABLE = frozenset(
-    {"seed", "max_tokens", "logprobs", "stop", "stop_token_ids", "bad_words", "allowed_token_ids", "logit_bias"}
+    {
+        "seed",
+        "max_tokens",
+        "logprobs",
+        "stop",
+        "stop_token_ids",
+        "bad_words",
+        "allowed_token_ids",
+        "logit_bias",
+        "structured_outputs",
+    }
 )
 """Fields vLLM types as Optional: JSON null means the default, as if the field were left out
 (for max_tokens that is SamplingParams' 16, not "unbounded")."""
