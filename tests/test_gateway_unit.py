@@ -75,6 +75,31 @@ def test_a_conversation_becomes_messages_and_media_in_order():
     assert conv.images == [b"img0", b"img1", b"img2"] and conv.audios == [b"aud0", b"aud1"]
 
 
+def test_audio_url_parts_take_their_place_among_the_clips():
+    """vLLM's ``audio_url`` part (a data: URL of an audio file) is an audio clip like
+    ``input_audio``, in order of appearance; a remote one is fetched only where allowed."""
+    url = {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + b64(b"aud1")}}
+    conv = convert_body(body(user(audio(b"aud0"), url, {"type": "text", "text": "Hm?"}, audio(b"aud2"))))
+    assert conv.messages == [
+        {
+            "role": "user",
+            "content": [{"type": "audio"}, {"type": "audio"}, {"type": "text", "text": "Hm?"}, {"type": "audio"}],
+        }
+    ]
+    assert conv.audios == [b"aud0", b"aud1", b"aud2"] and conv.images == []
+    remote = body(user({"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}}, image(b"img")))
+    error = rejected(remote)
+    assert (error.code, error.param) == ("remote_media_disabled", "messages[0].content[0].audio_url.url")
+    assert "remote audio URLs are disabled" in error.message
+
+    async def fetch(url: str, param: str) -> bytes:
+        return f"{url} for {param}".encode()
+
+    fetched = convert_body(remote, fetch=fetch)
+    assert fetched.audios == [b"https://example.com/a.wav for messages[0].content[0].audio_url.url"]
+    assert fetched.images == [b"img"]
+
+
 def test_tensors_use_the_messages_input_and_wire_names():
     chat = protocol.parse_request(
         body(

@@ -150,6 +150,15 @@ def test_greedy_output_equals_the_triton_path(server, references, sdk, case_name
     assert reply.usage.total_tokens == triton.num_input_tokens + MAX_TOKENS
 
 
+def test_audio_url_parts_as_vllm_serve_takes_them(references, sdk):
+    """An ``audio_url`` part (a data: URL of the WAV file) is the same clip as ``input_audio``."""
+    case = references["audio#0"]
+    url = "data:audio/wav;base64," + base64.b64encode(case.audios[0]).decode()
+    content = [{"type": "audio_url", "audio_url": {"url": url}}, {"type": "text", "text": case.text}]
+    reply = sdk.chat.completions.create(model="mm_ensemble", messages=[{"role": "user", "content": content}], **GREEDY)
+    assert reply.choices[0].message.content == case.output
+
+
 def test_response_format_json_schema_equals_the_offline_engine(references, sdk):
     """Extracting fields from an image as JSON (``response_format: json_schema``): offline vLLM's
     greedy output under the same schema, valid against it; streamed, the same text."""

@@ -24,6 +24,7 @@ from mmserve import dataurl
 from mmserve.gateway.errors import APIError, invalid
 from mmserve.gateway.protocol import (
     AudioPart,
+    AudioURLPart,
     ChatCompletionRequest,
     ImagePart,
     SystemMessage,
@@ -35,7 +36,7 @@ MAX_TOKENS_UNSET = 2**31 - 1
 stops a request at its ``max_model_len``; mm_llm's own default would be vLLM's 16)."""
 
 Fetch = Callable[[str, str], Awaitable[bytes]]
-"""``fetch(url, param)``: the bytes of a remote (http/https) image, or an ``APIError``."""
+"""``fetch(url, param)``: the bytes of a remote (http/https) image or audio file, or an ``APIError``."""
 
 
 @dataclass
@@ -63,16 +64,17 @@ def data_url_bytes(url: str, param: str) -> bytes:
         raise invalid(f"{param}: {exc}", param=param) from None
 
 
-def image_source(url: str, param: str, remote: bool) -> bytes | str:
-    """An ``image_url.url``: the bytes of a data URL, or the http(s) URL to fetch (when ``remote``)."""
+def media_source(url: str, param: str, remote: bool, kind: str = "image") -> bytes | str:
+    """An ``image_url.url`` (``audio_url.url``): the bytes of a data URL, or the http(s) URL to
+    fetch (when ``remote``)."""
     if dataurl.is_data_url(url):
         return data_url_bytes(url, param)
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme in ("http", "https"):
         if not remote:
             raise invalid(
-                f"{param}: remote image URLs are disabled on this server (its operator may enable "
-                "them: --allow-remote-media); send the image as a data: URL",
+                f"{param}: remote {kind} URLs are disabled on this server (its operator may enable "
+                f"them: --allow-remote-media); send the {kind} as a data: URL",
                 param=param,
                 code="remote_media_disabled",
             )
@@ -106,7 +108,15 @@ async def conversation(
         return data
 
     out = Conversation(messages=[])
-    remote: list[tuple[int, str, str]] = []  # (image index, URL, param)
+    remote: list[tuple[list[bytes], int, str, str]] = []  # (images or audios, index there, URL, param)
+
+    def add(items: list[bytes], url: str, param: str, kind: str) -> None:
+        source = media_source(url, param, remote=fetch is not None, kind=kind)
+        if isinstance(source, str):
+            remote.append((items, len(items), source, param))
+            source = b""
+        items.append(bounded(source, param))
+
     for i, message in enumerate(request.messages):
         role = "system" if isinstance(message, SystemMessage) else message.role
         if isinstance(message.content, str):
@@ -119,12 +129,10 @@ async def conversation(
                 parts.append({"type": "text", "text": part.text})
             elif isinstance(part, ImagePart):
                 parts.append({"type": "image"})
-                param = f"{where}.image_url.url"
-                source = image_source(part.image_url.url, param, remote=fetch is not None)
-                if isinstance(source, str):
-                    remote.append((len(out.images), source, param))
-                    source = b""
-                out.images.append(bounded(source, param))
+                add(out.images, part.image_url.url, f"{where}.image_url.url", "image")
+            elif isinstance(part, AudioURLPart):
+                parts.append({"type": "audio"})
+                add(out.audios, part.audio_url.url, f"{where}.audio_url.url", "audio")
             elif isinstance(part, AudioPart):
                 parts.append({"type": "audio"})
                 param = f"{where}.input_audio.data"
@@ -134,9 +142,9 @@ async def conversation(
         out.messages.append({"role": role, "content": parts})
     if remote:
         assert fetch is not None
-        fetched = await asyncio.gather(*(fetch(url, param) for _, url, param in remote))
-        for (index, _, _), data in zip(remote, fetched, strict=True):
-            out.images[index] = data
+        fetched = await asyncio.gather(*(fetch(url, param) for _, _, url, param in remote))
+        for (items, index, _, _), data in zip(remote, fetched, strict=True):
+            items[index] = data
     return out
 
 

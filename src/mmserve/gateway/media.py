@@ -1,4 +1,4 @@
-"""Remote images (``image_url`` with an http(s) URL), only when the operator allows them: fetched with
+"""Remote media (``image_url`` or ``audio_url`` with an http(s) URL), only when the operator allows them: fetched with
 aiohttp, a size limit and a timeout, any failure a 400 naming the part. Off by default: a gateway
 that fetches URLs for its clients can be made to reach hosts they can't (SSRF)."""
 
@@ -26,7 +26,7 @@ class MediaFetcher:
             async with self._session.get(url, allow_redirects=True, max_redirects=3) as reply:
                 if reply.status != 200:
                     raise invalid(
-                        f"{param}: fetching the image answered HTTP {reply.status}",
+                        f"{param}: fetching the media file answered HTTP {reply.status}",
                         param=param,
                         code="media_fetch_failed",
                     )
@@ -39,21 +39,23 @@ class MediaFetcher:
                         raise self._too_large(param)
         except TimeoutError:
             raise invalid(
-                f"{param}: fetching the image took longer than {self.timeout_s:g} s",
+                f"{param}: fetching the media file took longer than {self.timeout_s:g} s",
                 param=param,
                 code="media_fetch_failed",
             ) from None
         except aiohttp.ClientError as exc:
             raise invalid(
-                f"{param}: fetching the image failed ({type(exc).__name__})", param=param, code="media_fetch_failed"
+                f"{param}: fetching the media file failed ({type(exc).__name__})",
+                param=param,
+                code="media_fetch_failed",
             ) from None
         if not data:
-            raise invalid(f"{param}: the image at the URL is empty", param=param, code="media_fetch_failed")
+            raise invalid(f"{param}: the media file at the URL is empty", param=param, code="media_fetch_failed")
         return bytes(data)
 
     def _too_large(self, param: str):
         return invalid(
-            f"{param}: the image is larger than {self.max_bytes} bytes (--media-max-bytes)",
+            f"{param}: the media file is larger than {self.max_bytes} bytes (--media-max-bytes)",
             param=param,
             code="media_too_large",
         )

@@ -7,7 +7,8 @@ that names the field, never silently dropped:
   number, content a string or a list of parts. User parts: ``text``, ``image_url`` (``data:`` URLs;
   ``http(s)`` when the gateway allows remote media; ``detail`` accepted and ignored: the model's
   processor picks the resolution), ``input_audio`` (``{"data": base64, "format": "wav"|"mp3"|"flac"|
-  "ogg"}``), in any order. System and assistant parts: ``text``. A message's ``name`` is accepted
+  "ogg"}``), ``audio_url`` (vLLM's: a ``data:`` URL of an audio file; ``http(s)`` when remote media
+  are allowed), in any order. System and assistant parts: ``text``. A message's ``name`` is accepted
   and ignored (the chat templates have no place for it).
 * sampling: ``max_tokens``/``max_completion_tokens`` (absent: up to the model's context length),
   ``temperature``, ``top_p``, ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``,
@@ -70,7 +71,16 @@ class AudioPart(_Strict):
     input_audio: InputAudio
 
 
-UserPart = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
+class AudioURL(_Strict):
+    url: str
+
+
+class AudioURLPart(_Strict):
+    type: Literal["audio_url"]
+    audio_url: AudioURL
+
+
+UserPart = Annotated[TextPart | ImagePart | AudioPart | AudioURLPart, Field(discriminator="type")]
 
 
 # -- messages -------------------------------------------------------------------------------------
