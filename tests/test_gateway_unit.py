@@ -53,6 +53,122 @@ def rejected(data: Any, **kwargs: Any) -> errors.APIError:
     return info.value
 
 
+# -- remote media ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("address", "public"),
+    [
+        ("8.8.8.8", True),
+        ("2606:4700:4700::1111", True),
+        ("127.0.0.1", False),
+        ("10.1.2.3", False),
+        ("192.168.0.1", False),
+        ("169.254.169.254", False),  # cloud metadata
+        ("100.64.0.1", False),
+        ("0.0.0.0", False),
+        ("::1", False),
+        ("fc00::1", False),
+        ("fe80::1%eth0", False),
+        ("::ffff:127.0.0.1", False),
+        ("224.0.0.1", False),
+    ],
+)
+def test_only_public_addresses_count_as_public(address, public):
+    from mmserve.gateway.media import is_public
+
+    assert is_public(address) is public
+
+
+def _fetch_from_a_local_server(**fetcher_kwargs: Any) -> dict[str, Any]:
+    """Fetch a few paths of an HTTP server on 127.0.0.1 (``/a.wav``: bytes, ``/to/<path>``: a redirect
+    to ``<path>`` on this server, ``/to-localhost``: a redirect to the same file by name, ``/loop``:
+    redirects forever) with a ``MediaFetcher``; what each fetch gave (bytes or the error's code)."""
+    from aiohttp import web
+
+    from mmserve.gateway.media import MediaFetcher
+
+    async def run() -> dict[str, Any]:
+        app = web.Application()
+        port = 0
+
+        async def media(request: web.Request) -> web.Response:
+            return web.Response(body=b"RIFF-audio")
+
+        async def redirect(request: web.Request) -> web.Response:
+            raise web.HTTPFound("/" + request.match_info["path"])
+
+        async def to_localhost(request: web.Request) -> web.Response:
+            raise web.HTTPFound(f"http://localhost:{port}/a.wav")
+
+        async def loop(request: web.Request) -> web.Response:
+            raise web.HTTPFound("/loop")
+
+        app.add_routes(
+            [
+                web.get("/a.wav", media),
+                web.get("/to/{path}", redirect),
+                web.get("/to-localhost", to_localhost),
+                web.get("/loop", loop),
+            ]
+        )
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        fetcher = MediaFetcher(1000, 5.0, **fetcher_kwargs)
+        results: dict[str, Any] = {}
+        try:
+            for name, url in {
+                "ip": f"http://127.0.0.1:{port}/a.wav",
+                "name": f"http://localhost:{port}/a.wav",
+                "redirect": f"http://127.0.0.1:{port}/to/a.wav",
+                "redirect to a name": f"http://127.0.0.1:{port}/to-localhost",
+                "loop": f"http://127.0.0.1:{port}/loop",
+            }.items():
+                try:
+                    results[name] = await fetcher(url, "p")
+                except errors.APIError as exc:
+                    assert exc.status == 400 and exc.param == "p" and exc.message.startswith("p: ")
+                    results[name] = exc.code
+        finally:
+            await fetcher.close()
+            await runner.cleanup()
+        return results
+
+    return asyncio.run(run())
+
+
+def test_remote_media_come_from_public_hosts_only():
+    """Even with remote media allowed, a URL that names or resolves to a loopback address (here: the
+    test's own server) is refused, as the address the connection would use."""
+    refused = "media_address_not_allowed"
+    assert _fetch_from_a_local_server() == {
+        "ip": refused,
+        "name": refused,  # localhost: refused after resolution
+        "redirect": refused,
+        "redirect to a name": refused,
+        "loop": refused,
+    }
+
+
+def test_private_hosts_allowed_and_redirects_checked_against_the_domains():
+    data = b"RIFF-audio"
+    assert _fetch_from_a_local_server(allow_private=True) == {
+        "ip": data,
+        "name": data,
+        "redirect": data,
+        "redirect to a name": data,
+        "loop": "media_fetch_failed",  # more than 3 redirects
+    }
+    assert _fetch_from_a_local_server(allow_private=True, allowed_domains=["127.0.0.1"]) == {
+        "ip": data,
+        "name": "media_domain_not_allowed",
+        "redirect": data,
+        "redirect to a name": "media_domain_not_allowed",  # the redirect's host is checked too
+        "loop": "media_fetch_failed",
+    }
+
+
 # -- conversion ----------------------------------------------------------------------------------
 def test_a_conversation_becomes_messages_and_media_in_order():
     conv = convert_body(

@@ -38,7 +38,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--allow-remote-media",
         action="store_true",
-        help="fetch http(s) image URLs (off: data: URLs only; the gateway would fetch any URL a client names)",
+        help="fetch http(s) image and audio URLs from public hosts (off: data: URLs only)",
+    )
+    parser.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        metavar="HOST",
+        help="with --allow-remote-media: the only hosts media are fetched from, on every redirect too",
+    )
+    parser.add_argument(
+        "--allow-private-media-hosts",
+        action="store_true",
+        help="with --allow-remote-media: also fetch from loopback, private and link-local addresses "
+        "(off: a client could reach the gateway's own network)",
     )
     parser.add_argument(
         "--media-max-bytes",
@@ -81,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         llm_model=args.llm_model_name,
         served_model_name=args.served_model_name,
         allow_remote_media=args.allow_remote_media,
+        allowed_media_domains=tuple(args.allowed_media_domains) if args.allowed_media_domains else None,
+        allow_private_media=args.allow_private_media_hosts,
         media_max_bytes=args.media_max_bytes,
         media_timeout_s=args.media_timeout_s,
         max_request_bytes=args.max_request_bytes,

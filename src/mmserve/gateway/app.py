@@ -45,6 +45,10 @@ class GatewayConfig:
     served_model_name: str | None = None
     """The ``model`` name clients use and ``/v1/models`` lists (default: ``model``)."""
     allow_remote_media: bool = False
+    allowed_media_domains: tuple[str, ...] | None = None
+    """With ``allow_remote_media``: the only hosts media are fetched from (``None``: any public host)."""
+    allow_private_media: bool = False
+    """With ``allow_remote_media``: also fetch from loopback, private and link-local addresses."""
     media_max_bytes: int = 20 * 1024 * 1024
     media_timeout_s: float = 10.0
     max_request_bytes: int = 128 * 1024 * 1024
@@ -76,7 +80,16 @@ def create_app(config: GatewayConfig, backend: Any = None) -> FastAPI:
             streams=config.triton_streams,
         )
     )
-    fetcher = MediaFetcher(config.media_max_bytes, config.media_timeout_s) if config.allow_remote_media else None
+    fetcher = (
+        MediaFetcher(
+            config.media_max_bytes,
+            config.media_timeout_s,
+            allowed_domains=config.allowed_media_domains,
+            allow_private=config.allow_private_media,
+        )
+        if config.allow_remote_media
+        else None
+    )
     created = int(time.time())
 
     @asynccontextmanager
