@@ -9,6 +9,7 @@ from typing import Any
 
 from mmserve import settings
 from mmserve.families import FamilySpec, family_for_architecture
+from mmserve.families.base import numel
 
 
 def resolve_model(configured: str | None, base_dir: str | Path) -> str:
@@ -84,11 +85,11 @@ def processed_multi_modal_data(family: FamilySpec, tensors: Mapping[str, Any]) -
     """
     data: dict[str, dict[str, Any]] = {}
     for spec in family.modalities:
-        wire = sorted(name for name in spec.wire_field_names if _numel(tensors.get(name, ())) > 0)
+        wire = sorted(name for name in spec.wire_field_names if numel(tensors.get(name, ())) > 0)
         if wire:
             raise ValueError(f"{', '.join(wire)}: decode the wire fields first (Preprocessor.decode_wire)")
         fields = {name: tensors[name] for name in spec.field_names if name in tensors}
-        if fields and any(_numel(value) > 0 for value in fields.values()):
+        if fields and any(numel(value) > 0 for value in fields.values()):
             data[spec.modality] = fields
     return data
 
@@ -105,10 +106,3 @@ def processed_prompt(family: FamilySpec, input_ids: Sequence[int] | Any, tensors
     if mm_data:
         prompt["multi_modal_data"] = mm_data
     return prompt
-
-
-def _numel(value: Any) -> int:
-    size = getattr(value, "numel", None)
-    if callable(size):
-        return int(size())
-    return int(getattr(value, "size", len(value)))

@@ -200,7 +200,7 @@ class FamilySpec:
         out = dict(tensors)
         for modality in self.modalities:
             wire = {name: out.pop(name) for name in modality.wire_field_names if name in out}
-            if not any(_numel(value) for value in wire.values()):
+            if not any(numel(value) for value in wire.values()):
                 continue
             decoder = decoders.get(modality.modality)
             if decoder is None:
@@ -211,7 +211,7 @@ class FamilySpec:
                     found="wire fields",
                 )
             own = {name: out.pop(name) for name in modality.field_names if name in out}
-            own = {name: value for name, value in {**own, **wire}.items() if _numel(value)}
+            own = {name: value for name, value in {**own, **wire}.items() if numel(value)}
             out.update(decoder(own))
         return out
 
@@ -233,5 +233,11 @@ def as_tensor(value: Any, modality: str, field: str) -> torch.Tensor:
     )
 
 
-def _numel(value: Any) -> int:
-    return int(np.asarray(value).size) if value is not None else 0
+def numel(value: Any) -> int:
+    """Elements of a tensor, an array or a sequence (0 for None)."""
+    if value is None:
+        return 0
+    size = getattr(value, "numel", None)
+    if callable(size):
+        return int(size())
+    return int(getattr(value, "size", len(value)))

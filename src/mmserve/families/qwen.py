@@ -34,10 +34,21 @@ class PatchNormalization:
     patch_dim: int
     """Values per patch: channels * temporal_patch_size * patch_size**2, channels outermost."""
 
+    @staticmethod
+    def applies(image_processor: Any) -> bool:
+        """Whether the processor rescales and normalizes per channel (what ``of`` takes over)."""
+        mean, std = getattr(image_processor, "image_mean", None), getattr(image_processor, "image_std", None)
+        return (
+            bool(getattr(image_processor, "do_rescale", False) and getattr(image_processor, "do_normalize", False))
+            and isinstance(mean, (list, tuple))
+            and isinstance(std, (list, tuple))
+            and len(mean) == len(std) > 0
+        )
+
     @classmethod
     def of(cls, image_processor: Any) -> PatchNormalization | None:
-        """The processor's normalization; None unless it rescales and normalizes (per channel)."""
-        if not (getattr(image_processor, "do_rescale", False) and getattr(image_processor, "do_normalize", False)):
+        """The processor's normalization; None unless it ``applies``."""
+        if not cls.applies(image_processor):
             return None
         import torch
 
@@ -45,8 +56,6 @@ class PatchNormalization:
         scale = 1.0 / image_processor.rescale_factor
         mean = (torch.tensor(image_processor.image_mean) * scale).numpy()
         std = (torch.tensor(image_processor.image_std) * scale).numpy()
-        if mean.ndim != 1 or mean.shape != std.shape:
-            return None
         patch_dim = mean.size * image_processor.temporal_patch_size * image_processor.patch_size**2
         return cls(mean, std, patch_dim)
 
@@ -58,6 +67,18 @@ class PatchNormalization:
         np.subtract(channels, self.mean[:, None], out=values, dtype=np.float32)  # converts as it goes
         values /= self.std[:, None]
         return values.reshape(rows, self.patch_dim)
+
+
+def _check_patch_rows(field: str, rows: int, grid: Any) -> None:
+    """``rows`` patches are what ``image_grid_thw`` (``grid``) says: the sum of t*h*w."""
+    expected = int(grid.prod(-1).sum())
+    if rows != expected:
+        raise ProcessedInputError(
+            "image",
+            field=field,
+            expected=f"{expected} patches (sum of t*h*w over image_grid_thw)",
+            found=f"{rows} rows",
+        )
 
 
 class QwenVisionImage(ModalitySpec):
@@ -103,7 +124,7 @@ class QwenVisionImage(ModalitySpec):
 
     def processor_kwargs(self, processor: Any, items: Sequence[Any]) -> dict[str, Any]:
         """Patches left as uint8 (``compact`` sends them so) where ``mm_llm`` can normalize them."""
-        if PatchNormalization.of(getattr(processor, "image_processor", None)) is None:
+        if not PatchNormalization.applies(getattr(processor, "image_processor", None)):
             return {}
         return {"images_kwargs": {"do_rescale": False, "do_normalize": False}}
 
@@ -148,14 +169,7 @@ class QwenVisionImage(ModalitySpec):
                 )
             grid = out.get("image_grid_thw")
             if grid is not None and grid.ndim == 2 and grid.shape[1] == 3:
-                rows = int(np.asarray(grid).prod(-1).sum())
-                if patches.shape[0] != rows:
-                    raise ProcessedInputError(
-                        "image",
-                        field="pixel_values_uint8",
-                        expected=f"{rows} patches (sum of t*h*w over image_grid_thw)",
-                        found=f"{patches.shape[0]} rows",
-                    )
+                _check_patch_rows("pixel_values_uint8", patches.shape[0], grid)
             out["pixel_values"] = normalization(patches)
             return out
 
@@ -194,14 +208,7 @@ class QwenVisionImage(ModalitySpec):
                 expected=f"{patch_dim} values per patch (the vision tower's patch size)",
                 found=f"shape {tuple(pixel_values.shape)}",
             )
-        patches = int(grid.prod(-1).sum())
-        if pixel_values.shape[0] != patches:
-            raise ProcessedInputError(
-                "image",
-                field="pixel_values",
-                expected=f"{patches} patches (sum of t*h*w over image_grid_thw)",
-                found=f"{pixel_values.shape[0]} rows",
-            )
+        _check_patch_rows("pixel_values", pixel_values.shape[0], grid)
 
     def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
         from mmserve.vllm_seam import MultiModalFieldConfig

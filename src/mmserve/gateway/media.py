@@ -100,11 +100,9 @@ class MediaFetcher:
 
         if self._session is None:
             connector = aiohttp.TCPConnector(resolver=None if self.allow_private else _public_only_resolver())
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
-            )
+            self._session = aiohttp.ClientSession(connector=connector)
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(self.timeout_s):  # the whole fetch, redirects included
                 return await self._fetch(url, param)
         except TimeoutError:
             raise invalid(

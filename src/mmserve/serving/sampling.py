@@ -143,15 +143,23 @@ def _bool(name: str, value: Any) -> bool:
     raise _error(name, 'bool (true, false, "true", "false", "1" or "0")', value)
 
 
-def _text(name: str, value: Any) -> str:
-    expected = f"a non-empty string of at most {MAX_STRING_CHARS} characters"
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_STRING_CHARS:
-        raise _error(name, expected, value)
-    try:
-        value.encode()
-    except UnicodeEncodeError:  # a lone surrogate ("\ud800"): msgpack can't carry it
-        raise _error(name, expected + " of valid Unicode", value) from None
-    return value
+def _text_of(max_chars: int) -> Converter:
+    """A non-empty string of at most ``max_chars`` characters, all valid Unicode."""
+    expected = f"a non-empty string of at most {max_chars} characters"
+
+    def convert(name: str, value: Any) -> str:
+        if not isinstance(value, str) or not 0 < len(value) <= max_chars:
+            raise _error(name, expected, value)
+        try:
+            value.encode()
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800"): msgpack can't carry it
+            raise _error(name, expected + " of valid Unicode", value) from None
+        return value
+
+    return convert
+
+
+_text = _text_of(MAX_STRING_CHARS)
 
 
 def _strings(max_items: int, *, single: bool) -> Converter:
@@ -202,22 +210,13 @@ def _logit_bias(name: str, value: Any) -> dict[int, float]:
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 """The constraints of vLLM's ``StructuredOutputsParams``, of which a request sets exactly one
 (``structural_tag`` is refused: its format is vLLM-internal and changes between releases)."""
-STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 MAX_STRUCTURE_CHARS = 65536
 """Bound on a structured-output constraint (a JSON schema as JSON text, a regex, a grammar, all the
 choices together): the engine compiles it for every request."""
 MAX_CHOICES = 256
 
 
-def _structure_text(name: str, value: Any) -> str:
-    expected = f"a non-empty string of at most {MAX_STRUCTURE_CHARS} characters"
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_STRUCTURE_CHARS:
-        raise _error(name, expected, value)
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        raise _error(name, expected + " of valid Unicode", value) from None
-    return value
+_structure_text = _text_of(MAX_STRUCTURE_CHARS)
 
 
 def _json_schema(name: str, value: Any) -> dict[str, Any]:
