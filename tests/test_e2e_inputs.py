@@ -224,6 +224,11 @@ RAW_CASES: list[BadRaw] = [
     BadRaw("max_tokens true", Raw(sampling={"max_tokens": True}), r"sampling_parameters: max_tokens: expected .*true"),
     BadRaw("ignore_eos 1", Raw(sampling={"ignore_eos": 1}), r"sampling_parameters: ignore_eos: expected .*1"),
     BadRaw("max_tokens 10**30", Raw(sampling={"max_tokens": 10**30}), r"sampling_parameters: max_tokens: expected"),
+    BadRaw(
+        "max_tokens above the context length",
+        Raw(sampling={"max_tokens": 100000}),
+        r"sampling_parameters: max_tokens=100000 cannot be greater than max_model_len=\d+",
+    ),
     BadRaw("stop 5", Raw(sampling={"stop": 5}), r"sampling_parameters: stop: expected"),
     BadRaw("seed 2**70", Raw(sampling={"seed": 2**70}), r"sampling_parameters: seed: expected"),
     BadRaw(

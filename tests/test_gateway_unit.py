@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -255,7 +256,7 @@ def test_messages_is_a_public_input_of_the_tree():
 
 def test_sampling_defaults_and_aliases():
     params = convert.sampling_parameters(protocol.parse_request(body(user("Hi"))))
-    assert params == {"max_tokens": convert.MAX_TOKENS_UNSET}  # OpenAI: up to the context length
+    assert params == {"max_tokens": None}  # OpenAI: up to the context length (vLLM's None)
     params = convert.sampling_parameters(
         protocol.parse_request(body(user("Hi"), max_completion_tokens=7, logprobs=True))
     )
@@ -384,7 +385,7 @@ def test_media_size_limit():
 @pytest.mark.parametrize(
     ("data", "param", "code", "says"),
     [
-        (body(user("Hi"), n=2), "n", "unsupported", "only 1"),
+        (body(user("Hi"), n=17), "n", None, "less than or equal to 16"),
         (body(user("Hi"), tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "unsupported", "tool"),
         (body(user("Hi"), response_format={"type": "xml"}), "response_format.type", None, "'json_schema'"),
         (body(user("Hi"), response_format={"type": "json_schema"}), "response_format.json_schema", None, "needs"),
@@ -708,9 +709,10 @@ def test_a_streamed_tokens_event_is_the_chunk_serialized(usage):
     from mmserve.gateway.app import _Answer, _sse
 
     fields = {"stream": True, "stream_options": {"include_usage": True}} if usage else {"stream": True}
-    answer = _Answer(protocol.parse_request(body(user("Hi"), **fields)), "chatcmpl-1", "mm")
+    answer = _Answer(protocol.parse_request(body(user("Hi"), n=2, **fields)), "chatcmpl-1", "mm")
     for text in (" hello", "", 'quote " and \\ backslash', "line\nbreak", "é ü 漢字 🙂", '{"content": ""}'):
-        assert answer.content_event(text) == _sse(answer.chunk({"content": text})), text
+        for index in (0, 1):
+            assert answer.content_event(index, text) == _sse(answer.chunk({"content": text}, index=index)), text
 
 
 # -- the app with a fake Triton ------------------------------------------------------------------
@@ -795,6 +797,76 @@ def test_sdk_non_streamed_and_streamed(gateway):
     assert backend.requests[1]["stream"][0] and backend.closed == 2
 
 
+class ChoicesBackend(FakeBackend):
+    """Answers the request of choice k (``<id>-k``) with ``STREAM``'s text, k + 1 times over."""
+
+    completed = 0  # requests answered to their end
+
+    async def generate(self, tensors, request_id):
+        self.requests.append(dict(tensors))
+        times = int(request_id.rsplit("-", 1)[1]) + 1
+        try:
+            for delta in STREAM:
+                await asyncio.sleep(0)  # the choices' responses interleave
+                yield dataclasses.replace(delta, text=delta.text * times)
+            self.completed += 1
+        finally:
+            self.closed += 1
+
+
+def test_n_choices_each_its_own_seeded_request(gateway):
+    """``n``: one request per choice, seeded ``seed + index`` (vLLM's parallel sampling), choices in
+    index order, usage summed over the choices (the prompt once); streamed, each choice's role
+    first, then its deltas and its finish chunk, with its index."""
+    backend = ChoicesBackend()
+    client = sdk(gateway(backend))
+    reply = client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")], n=3, seed=5, temperature=1.0)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.message.content for c in reply.choices] == ["Hello!", "HelHellolo!!", "HelHelHellololo!!!"]
+    assert [c.finish_reason for c in reply.choices] == ["length"] * 3
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (20, 9)
+    seeds = sorted(json.loads(r["sampling_parameters"][0])["seed"] for r in backend.requests)
+    assert seeds == [5, 6, 7] and backend.closed == 3
+
+    chunks = list(
+        client.chat.completions.create(
+            model="mm_ensemble", messages=[user("Hi")], n=2, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:2]] == [(0, "assistant"), (1, "assistant")]
+    texts = ["", ""]
+    for chunk in chunks[2:-1]:
+        texts[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
+    assert texts == ["Hello!", "HelHellolo!!"]
+    finishes = [
+        (c.choices[0].index, c.choices[0].finish_reason) for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert sorted(finishes) == [(0, "length"), (1, "length")]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert all("seed" not in json.loads(r["sampling_parameters"][0]) for r in backend.requests[3:])
+
+
+def test_an_error_on_one_choice_ends_the_others(gateway):
+    """A choice's request that fails fails the completion (400 here), and the others are cancelled."""
+    import openai
+
+    class OneFails(ChoicesBackend):
+        async def generate(self, tensors, request_id):
+            if request_id.endswith("-1"):
+                self.requests.append(dict(tensors))
+                raise errors.from_triton("[INVALID_ARG] sampling_parameters: bad")
+                yield
+            async for delta in super().generate(tensors, request_id):
+                await asyncio.sleep(0.05)
+                yield delta
+
+    backend = OneFails()
+    client = sdk(gateway(backend))
+    with pytest.raises(openai.BadRequestError, match="bad"):
+        client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")], n=3)
+    assert (backend.closed, backend.completed) == (2, 0)  # the two others were closed before their end
+
+
 def test_sdk_sees_openai_errors_with_their_status(gateway):
     import openai
 
@@ -809,8 +881,8 @@ def test_sdk_sees_openai_errors_with_their_status(gateway):
         client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")])
     assert server_error.value.status_code == 503
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")], n=2)
-    assert info.value.param == "n" and info.value.code == "unsupported"
+        client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")], n=0)
+    assert info.value.param == "n"
     with pytest.raises(openai.NotFoundError) as not_found:
         client.chat.completions.create(model="gpt-4o", messages=[user("Hi")])
     assert not_found.value.code == "model_not_found"

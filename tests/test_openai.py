@@ -25,6 +25,8 @@ import pytest
 from utils import (
     COLOR_SCHEMA,
     MAX_TOKENS,
+    PARALLEL,
+    PARALLEL_REFERENCES,
     ROOT,
     STRUCTURED,
     STRUCTURED_MAX_TOKENS,
@@ -284,6 +286,26 @@ def test_logprobs_stop_and_seed(references, sdk):
     assert sampled[0] == sampled[1]
 
 
+def test_n_choices_equal_vllms_parallel_sampling(references, sdk):
+    """``n: 2`` with a seed, on an image: the choices are offline vLLM's for ``SamplingParams(n=2,
+    seed=...)`` (vLLM seeds its parallel samples ``seed + index``), streamed or not; usage counts
+    the prompt once and every choice's tokens."""
+    case = PARALLEL_REFERENCES[0]  # filled by the references fixture
+    expected = [reference.output for reference in PARALLEL_REFERENCES]
+    assert expected[0] != expected[1]  # the seeds tell the choices apart (else the check is blind)
+    request = {"model": "mm_ensemble", "messages": [user_turn(case)], "max_tokens": MAX_TOKENS, **PARALLEL}
+    reply = sdk.chat.completions.create(**request)
+    assert [choice.message.content for choice in reply.choices] == expected
+    assert [choice.index for choice in reply.choices] == [0, 1]
+    assert reply.usage.prompt_tokens == case.prompt_tokens
+    assert reply.usage.completion_tokens == sum(len(reference.ids) for reference in PARALLEL_REFERENCES)
+    texts = ["", ""]
+    for chunk in sdk.chat.completions.create(**request, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == expected
+
+
 def test_models_and_health(gateway, sdk):
     assert [model.id for model in sdk.models.list()] == ["mm_ensemble"]
     status, body = _get(f"{gateway.url}/health")
@@ -314,7 +336,7 @@ def _bad_requests(references) -> dict[str, dict]:
                 }
             ]
         },
-        "n=2": {"messages": [{"role": "user", "content": "Hi"}], "n": 2},
+        "n=17": {"messages": [{"role": "user", "content": "Hi"}], "n": 17},
         "unknown part type": {
             "messages": [
                 {
@@ -334,6 +356,10 @@ def _bad_requests(references) -> dict[str, dict]:
         "too many images (Triton)": {"messages": [{"role": "user", "content": [*[image_part(image)] * 5, text]}]},
         "not an image (Triton)": {"messages": [{"role": "user", "content": [image_part(b"not an image"), text]}]},
         "bad temperature (engine)": {"messages": [{"role": "user", "content": "Hi"}], "temperature": -1},
+        "max_tokens above the context length (engine)": {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 100000,
+        },
         "ends with the assistant (Triton)": {
             "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
         },
@@ -361,8 +387,8 @@ def test_the_sdk_raises_bad_request(sdk):
     import openai
 
     with pytest.raises(openai.BadRequestError) as info:
-        sdk.chat.completions.create(model="mm_ensemble", n=2, messages=[{"role": "user", "content": "Hi"}])
-    assert info.value.param == "n" and info.value.code == "unsupported"
+        sdk.chat.completions.create(model="mm_ensemble", n=0, messages=[{"role": "user", "content": "Hi"}])
+    assert info.value.param == "n"
 
 
 def test_unreachable_triton_gives_503(tmp_path):

@@ -150,7 +150,8 @@ GOOD = [
     ),
     ({"max_tokens": " 12 ", "top_k": "-1", "min_tokens": "2.0"}, {"max_tokens": 12, "top_k": -1, "min_tokens": 2}),
     ({"max_tokens": 2**31 - 1}, {"max_tokens": 2**31 - 1}),
-    ({"max_tokens": None, "seed": None, "stop": None, "logit_bias": None}, {"max_tokens": 16, "seed": None}),
+    ({"seed": None, "stop": None, "logit_bias": None}, {"max_tokens": 16, "seed": None}),
+    ({"max_tokens": None}, {"max_tokens": None}),  # vLLM's None: up to the context length
     ({"seed": 0}, {"seed": 0}),
     ({"seed": 2**63 - 1}, {"seed": 2**63 - 1}),
     ({"seed": "42"}, {"seed": 42}),

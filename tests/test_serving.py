@@ -347,7 +347,7 @@ class _StubRunner:
     def __init__(self, model) -> None:
         import threading
 
-        self.engine_args, self.vocab_size, self.engine = {"model": str(model)}, None, None
+        self.engine_args, self.vocab_size, self.max_model_len, self.engine = {"model": str(model)}, None, None, None
         self.in_shutdown, self.release = threading.Event(), threading.Event()
 
     def kill_processes(self) -> None:
@@ -400,6 +400,79 @@ def test_an_engine_failure_is_not_reported_once_the_model_stops(tiny_models):
     events.append("stopped")
     failing.join(10)
     assert events == ["reported injected", "stopped"]
+
+
+class _LoopRunner(_StubRunner):
+    """A stand-in runner with a loop of its own; its streams never yield (a long generation)."""
+
+    def __init__(self, model) -> None:
+        import asyncio
+        import threading
+
+        super().__init__(model)
+        self.release.set()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def submit(self, coro):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def stream(self, prompt, params, request_id):
+        import asyncio
+
+        await asyncio.Event().wait()
+        yield  # an async generator that never yields
+
+
+def test_requests_stopped_before_they_ran_get_one_final_response(tiny_models):
+    """A drain (or a stop) that ends requests whose task has not run its first step yet: each gets
+    its final UNAVAILABLE response, and the drain returns only once they all did (a task cancelled
+    before it runs never runs its own handler; the request would hold its model loaded)."""
+    import threading
+
+    from mmserve.serving.llm import GenerateRequest, LLMService
+
+    runner = _LoopRunner(tiny_models["qwen2_5_omni"])
+    service = LLMService(runner)  # type: ignore[arg-type]  # a stand-in runner
+    finals: dict[int, list[str]] = {}
+
+    class Sink:
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def send(self, outputs, *, final):
+            finals.setdefault(self.k, []).append("output")
+
+        def send_error(self, error):
+            finals.setdefault(self.k, []).append(f"{type(error).__name__}: {error}")
+
+        def send_final(self):
+            finals.setdefault(self.k, []).append("final")
+
+        def is_cancelled(self):
+            return False
+
+    stopping = "the server is stopping; retry on another replica or later"
+    request = GenerateRequest(prompt={}, sampling_params=None, flags={"stream": True})  # type: ignore[arg-type]
+    # The loop is held busy: no request's task takes its first step before the drain ends them.
+    hold = threading.Event()
+    runner.loop.call_soon_threadsafe(hold.wait, 10)
+    for k in range(8):
+        service.submit(request, Sink(k), f"r{k}")  # type: ignore[arg-type]
+    drained: list[int] = []
+    draining = threading.Thread(target=lambda: drained.append(service.drain(0.0)))
+    draining.start()
+    time.sleep(0.2)
+    assert not finals and draining.is_alive()  # nothing answered while the loop is held
+    hold.set()
+    draining.join(10)
+    assert drained == [8] and service.in_flight() == 0
+    assert sorted(finals) == list(range(8))
+    assert all(answers == ["UnavailableError: " + stopping] for answers in finals.values()), finals
+    service.shutdown()
+    runner.loop.call_soon_threadsafe(runner.loop.stop)
 
 
 def test_drain_without_a_server_says_so():

@@ -229,6 +229,13 @@ def assert_meets_constraint(kind: str, text: str) -> None:
         assert re.fullmatch(constraint, text), text
 
 
+PARALLEL: dict[str, Any] = {"n": 2, "seed": 11, "temperature": 1.0}
+"""Parallel sampling (OpenAI's ``n``) of ``PARALLEL_CASE``; ``compute_references`` fills
+``PARALLEL_REFERENCES`` with offline vLLM's choices under ``SamplingParams(**PARALLEL)``."""
+PARALLEL_CASE = "image#0"
+PARALLEL_REFERENCES: list[Case] = []
+
+
 def compute_references(model: str, engine_args: dict[str, Any]) -> dict[str, Case]:
     """Offline vLLM on the raw inputs: chat template applied by the HF processor, media decoded.
 
@@ -237,7 +244,7 @@ def compute_references(model: str, engine_args: dict[str, Any]) -> dict[str, Cas
     import soundfile
     from PIL import Image
     from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     from mmserve.engine import EngineRunner
     from mmserve_dev.hf_reference import chat_prompt, load_processor
@@ -276,6 +283,13 @@ def compute_references(model: str, engine_args: dict[str, Any]) -> dict[str, Cas
             )
             run(engine, structured, params)
             STRUCTURED_REFERENCES[kind] = structured
+        case = BY_NAME[PARALLEL_CASE]
+        params = SamplingParams(max_tokens=MAX_TOKENS, output_kind=RequestOutputKind.FINAL_ONLY, **PARALLEL)
+        output = engine.generate_sync(raw_prompt(case), params)
+        PARALLEL_REFERENCES[:] = [
+            dataclasses.replace(case, name=f"parallel_{c.index}", ids=list(c.token_ids), output=c.text)
+            for c in sorted(output.outputs, key=lambda c: c.index)
+        ]
     return BY_NAME
 
 

@@ -76,6 +76,11 @@ class EngineRunner:
         """Rows of the model's embedding table: every prompt token id must be below it."""
         return self.engine.model_config.get_vocab_size()
 
+    @property
+    def max_model_len(self) -> int:
+        """The context length: prompt and output tokens together."""
+        return self.engine.model_config.max_model_len
+
     def core_pids(self) -> list[int]:
         """Process ids of the engine's core process(es) (empty once they are gone)."""
         return vllm_seam.engine_core_pids(self.engine)

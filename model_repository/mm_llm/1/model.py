@@ -112,7 +112,11 @@ class TritonPythonModel:
                     ).start()
                     continue
                 parsed = parse_request(
-                    self.family, get, vocab_size=self.service.vocab_size, wire_decoders=self.service.wire_decoders
+                    self.family,
+                    get,
+                    vocab_size=self.service.vocab_size,
+                    max_model_len=self.service.max_model_len,
+                    wire_decoders=self.service.wire_decoders,
                 )
             except Exception as exc:  # noqa: BLE001 - every failure is answered (triton_error scrubs it)
                 sink.send_error(exc)
@@ -126,6 +130,8 @@ class TritonPythonModel:
     def _drain(self, grace_s, sink):
         ended = self.service.drain(grace_s)
         logger.info("drained: %d request(s) ended UNAVAILABLE after the %.1f-s grace period", ended, grace_s)
+        if unanswered := TritonSink.unfinished() - 1:  # but this one: each would hold the model loaded
+            logger.error("drained, but %d request(s) still have no final response", unanswered)
         sink.send_final()
 
     def finalize(self):

@@ -200,14 +200,21 @@ async def _chat(request: Request, config: GatewayConfig, backend: Any, fetcher: 
         raise _model_not_found(chat.model, config)
     conv = await conversation(chat, fetcher, config.media_max_bytes)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    deltas = backend.generate(request_tensors(chat, conv), completion_id)
     answer = _Answer(chat, completion_id, config.name)
+    if len(answer.choices) == 1:
+        streams = [backend.generate(request_tensors(chat, conv), completion_id)]
+    else:
+        streams = [
+            backend.generate(request_tensors(chat, conv, index), f"{completion_id}-{index}")
+            for index in range(len(answer.choices))
+        ]
+    deltas = _merged(streams)
     try:
         if not chat.stream:
 
             async def collect() -> dict[str, Any]:
-                async for delta in deltas:
-                    answer.add(delta)
+                async for index, delta in deltas:
+                    answer.add(index, delta)
                 return answer.completion()
 
             return JSONResponse(await _unless_disconnected(request, collect()))
@@ -225,52 +232,106 @@ async def _chat(request: Request, config: GatewayConfig, backend: Any, fetcher: 
     )
 
 
-async def _next(deltas: AsyncGenerator[Delta, None]) -> Delta | None:
-    async for delta in deltas:
-        return delta
+async def _merged(streams: list[AsyncGenerator[Delta, None]]) -> AsyncGenerator[tuple[int, Delta], None]:
+    """The responses of a request's choices as they come, each with its choice's index; every
+    stream is read to its end (``READ_STREAM_TO_END``). An error on one ends them all (closing a
+    stream cancels its request); so does closing this iterator."""
+    if len(streams) == 1:  # the common case: no task, no queue
+        try:
+            async for delta in streams[0]:
+                yield 0, delta
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[Delta, None]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+            await queue.put((index, None))
+        except Exception as exc:  # noqa: BLE001 - raised to the reader below
+            await queue.put((index, exc))
+
+    pumps = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        running = len(streams)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+async def _next(deltas: AsyncGenerator[tuple[int, Delta], None]) -> tuple[int, Delta] | None:
+    async for item in deltas:
+        return item
     return None
 
 
+class _Choice:
+    """One choice as it comes in: text, token ids, logprobs, token count, finish reason."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[str, Any]] = []
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.content_frame: tuple[str, str] | None = None  # _Answer.content_event's
+
+
 class _Answer:
-    """One completion as it comes in: text, token counts, finish reason; OpenAI's objects of it."""
+    """One completion (its ``n`` choices) as it comes in; OpenAI's objects of it."""
 
     def __init__(self, chat: ChatCompletionRequest, completion_id: str, model: str) -> None:
         self.chat, self.id, self.model = chat, completion_id, model
         self.created = int(time.time())
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[dict[str, Any]] = []
+        self.choices = [_Choice(index) for index in range(chat.n or 1)]
         self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.finish_reason: str | None = None
-        self._content_frame: tuple[str, str] | None = None
 
-    def add(self, delta: Delta) -> list[dict[str, Any]] | None:
-        """Take one response; its logprobs entries (OpenAI's) when asked for."""
+    @property
+    def finished(self) -> bool:
+        return all(choice.finish_reason is not None for choice in self.choices)
+
+    def add(self, index: int, delta: Delta) -> list[dict[str, Any]] | None:
+        """Take one response of choice ``index``; its logprobs entries (OpenAI's) when asked for."""
+        choice = self.choices[index]
         if delta.num_input_tokens is not None:
-            self.prompt_tokens = delta.num_input_tokens
-        self.completion_tokens += delta.num_output_tokens
-        self.text.append(delta.text)
-        self.token_ids += delta.token_ids
+            self.prompt_tokens = delta.num_input_tokens  # the same prompt for every choice: counted once
+        choice.completion_tokens += delta.num_output_tokens
+        choice.text.append(delta.text)
+        choice.token_ids += delta.token_ids
         entries = None
         if self.chat.logprobs:
             entries = openai_logprobs(delta.logprobs or [], delta.token_ids, self.chat.top_logprobs or 0)
-            self.logprobs += entries
+            choice.logprobs += entries
         if delta.finish_reason:
             if delta.finish_reason not in ("stop", "length"):  # abort: the server dropped the request
                 raise unavailable(f"the request ended early ({delta.finish_reason}); retry later")
-            self.finish_reason = delta.finish_reason
+            choice.finish_reason = delta.finish_reason
         return entries
 
     def usage(self) -> dict[str, int]:
+        completion_tokens = sum(choice.completion_tokens for choice in self.choices)
         return {
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
         }
 
     def completion(self) -> dict[str, Any]:
-        if self.finish_reason is None:
+        if not self.finished:
             raise internal("the model's responses ended without a finish reason")
         return {
             "id": self.id,
@@ -280,12 +341,13 @@ class _Answer:
             "system_fingerprint": None,
             "choices": [
                 {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "".join(self.text), "refusal": None},
-                    "logprobs": {"content": self.logprobs, "refusal": None} if self.chat.logprobs else None,
-                    "finish_reason": self.finish_reason,
-                    **({"token_ids": self.token_ids} if self.chat.return_token_ids else {}),
+                    "index": choice.index,
+                    "message": {"role": "assistant", "content": "".join(choice.text), "refusal": None},
+                    "logprobs": {"content": choice.logprobs, "refusal": None} if self.chat.logprobs else None,
+                    "finish_reason": choice.finish_reason,
+                    **({"token_ids": choice.token_ids} if self.chat.return_token_ids else {}),
                 }
+                for choice in self.choices
             ],
             "usage": self.usage(),
         }
@@ -294,12 +356,13 @@ class _Answer:
         self,
         delta: dict[str, Any],
         *,
+        index: int = 0,
         finish_reason: str | None = None,
         logprobs: list[dict[str, Any]] | None = None,
         token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": index,
             "delta": delta,
             "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
             "finish_reason": finish_reason,
@@ -318,14 +381,15 @@ class _Answer:
             chunk["usage"] = None
         return chunk
 
-    def content_event(self, text: str) -> bytes:
-        """``_sse(self.chunk({"content": text}))``, the event of every streamed token, with the JSON
-        around the text serialized once per completion instead of once per token."""
-        if self._content_frame is None:
+    def content_event(self, index: int, text: str) -> bytes:
+        """``_sse(self.chunk({"content": text}, index=index))``, the event of every streamed token,
+        with the JSON around the text serialized once per choice instead of once per token."""
+        choice = self.choices[index]
+        if choice.content_frame is None:
             marker = json.dumps({"content": ""}, ensure_ascii=False)
-            head, tail = json.dumps(self.chunk({"content": ""}), ensure_ascii=False).split(marker)
-            self._content_frame = (f"data: {head}", f"{tail}\n\n")
-        head, tail = self._content_frame
+            head, tail = json.dumps(self.chunk({"content": ""}, index=index), ensure_ascii=False).split(marker)
+            choice.content_frame = (f"data: {head}", f"{tail}\n\n")
+        head, tail = choice.content_frame
         return f"{head}{json.dumps({'content': text}, ensure_ascii=False)}{tail}".encode()
 
     @property
@@ -337,30 +401,37 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-async def _events(answer: _Answer, first: Delta, deltas: AsyncGenerator[Delta, None]) -> AsyncIterator[bytes]:
-    """The server-sent events of a streamed completion; an error after the first event is sent as
-    an ``{"error": ...}`` event (the HTTP status is 200 by then), which the SDKs raise."""
+async def _events(
+    answer: _Answer, first: tuple[int, Delta], deltas: AsyncGenerator[tuple[int, Delta], None]
+) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed completion (each choice's role first, as vLLM sends
+    them); an error after the first event is sent as an ``{"error": ...}`` event (the HTTP status is
+    200 by then), which the SDKs raise."""
     try:
-        yield _sse(answer.chunk({"role": "assistant", "content": ""}))
-        delta: Delta | None = first
-        while delta is not None:
-            entries = answer.add(delta)
-            if answer.chat.return_token_ids:
-                if delta.text or delta.token_ids:
-                    yield _sse(answer.chunk({"content": delta.text}, logprobs=entries, token_ids=delta.token_ids))
-            elif entries is None and delta.text:
-                yield answer.content_event(delta.text)
-            elif delta.text or entries:
-                yield _sse(answer.chunk({"content": delta.text}, logprobs=entries))
-            if answer.finish_reason is not None:
-                yield _sse(answer.chunk({}, finish_reason=answer.finish_reason))
-                # Read the stream to its end: closing it now would cancel a request Triton is
-                # completing, which crashes Triton 2.51 (mmserve.triton_seam: READ_STREAM_TO_END).
-                async for _ in deltas:
-                    pass
-                break
-            delta = await _next(deltas)
-        if answer.finish_reason is None:
+        for choice in answer.choices:
+            yield _sse(answer.chunk({"role": "assistant", "content": ""}, index=choice.index))
+        # Every stream is read to its end, a finished choice's too: closing one early would cancel
+        # a request Triton is completing, which crashes Triton 2.51 (triton_seam: READ_STREAM_TO_END).
+        item: tuple[int, Delta] | None = first
+        while item is not None:
+            index, delta = item
+            if answer.choices[index].finish_reason is None:
+                entries = answer.add(index, delta)
+                if answer.chat.return_token_ids:
+                    if delta.text or delta.token_ids:
+                        yield _sse(
+                            answer.chunk(
+                                {"content": delta.text}, index=index, logprobs=entries, token_ids=delta.token_ids
+                            )
+                        )
+                elif entries is None and delta.text:
+                    yield answer.content_event(index, delta.text)
+                elif delta.text or entries:
+                    yield _sse(answer.chunk({"content": delta.text}, index=index, logprobs=entries))
+                if (reason := answer.choices[index].finish_reason) is not None:
+                    yield _sse(answer.chunk({}, index=index, finish_reason=reason))
+            item = await _next(deltas)
+        if not answer.finished:
             raise internal("the model's stream ended without a finish reason")
         if answer.include_usage:
             yield _sse(
@@ -381,7 +452,7 @@ async def _events(answer: _Answer, first: Delta, deltas: AsyncGenerator[Delta, N
         logger.debug("stream failed", exc_info=True)
         yield _sse(internal("streaming a completion", exc).body())
     finally:
-        await deltas.aclose()  # cancels the Triton request if it still runs
+        await deltas.aclose()  # cancels the Triton requests that still run
 
 
 class EventStream(StreamingResponse):

@@ -31,10 +31,6 @@ from mmserve.gateway.protocol import (
     TextPart,
 )
 
-MAX_TOKENS_UNSET = 2**31 - 1
-"""``max_tokens`` sent when the client gives none: OpenAI's "up to the context length" (the engine
-stops a request at its ``max_model_len``; mm_llm's own default would be vLLM's 16)."""
-
 Fetch = Callable[[str, str], Awaitable[bytes]]
 """``fetch(url, param)``: the bytes of a remote (http/https) image or audio file, or an ``APIError``."""
 
@@ -148,11 +144,13 @@ async def conversation(
     return out
 
 
-def sampling_parameters(request: ChatCompletionRequest) -> dict[str, Any]:
-    """mm_llm's ``sampling_parameters`` (vLLM ``SamplingParams`` names) of the request."""
+def sampling_parameters(request: ChatCompletionRequest, choice: int = 0) -> dict[str, Any]:
+    """mm_llm's ``sampling_parameters`` (vLLM ``SamplingParams`` names) of the request's choice
+    ``choice`` (``n`` > 1: one request per choice, seeded ``seed + choice`` as vLLM seeds the
+    parallel samples of one request)."""
     params: dict[str, Any] = {}
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    params["max_tokens"] = MAX_TOKENS_UNSET if max_tokens is None else max_tokens
+    params["max_tokens"] = max_tokens  # None (JSON null): up to the context length; mm_llm's default is 16
     for name in (
         "temperature",
         "top_p",
@@ -161,7 +159,6 @@ def sampling_parameters(request: ChatCompletionRequest) -> dict[str, Any]:
         "presence_penalty",
         "frequency_penalty",
         "repetition_penalty",
-        "seed",
         "stop",
         "logit_bias",
         "min_tokens",
@@ -170,6 +167,8 @@ def sampling_parameters(request: ChatCompletionRequest) -> dict[str, Any]:
         value = getattr(request, name)
         if value is not None:
             params[name] = value
+    if request.seed is not None:
+        params["seed"] = request.seed + choice
     if request.logprobs:
         params["logprobs"] = request.top_logprobs or 0  # 0: the sampled token's only
     structured = dict(request.structured_outputs or {})
@@ -183,8 +182,8 @@ def sampling_parameters(request: ChatCompletionRequest) -> dict[str, Any]:
     return params
 
 
-def request_tensors(request: ChatCompletionRequest, conv: Conversation) -> dict[str, np.ndarray]:
-    """The named tensors of the Triton request (``mmserve.wire`` names)."""
+def request_tensors(request: ChatCompletionRequest, conv: Conversation, choice: int = 0) -> dict[str, np.ndarray]:
+    """The named tensors of the Triton request of choice ``choice`` (``mmserve.wire`` names)."""
 
     def flag(value: bool) -> np.ndarray:
         return np.array([value], dtype=bool)
@@ -192,7 +191,7 @@ def request_tensors(request: ChatCompletionRequest, conv: Conversation) -> dict[
     tensors = {
         "messages": np.array([json.dumps(conv.messages, ensure_ascii=False).encode()], dtype=np.object_),
         "stream": flag(bool(request.stream)),
-        "sampling_parameters": np.array([json.dumps(sampling_parameters(request)).encode()], dtype=np.object_),
+        "sampling_parameters": np.array([json.dumps(sampling_parameters(request, choice)).encode()], dtype=np.object_),
         "exclude_input_in_output": flag(True),
         "return_finish_reason": flag(True),
     }

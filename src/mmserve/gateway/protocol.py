@@ -12,7 +12,8 @@ that names the field, never silently dropped:
   and ignored (the chat templates have no place for it).
 * sampling: ``max_tokens``/``max_completion_tokens`` (absent: up to the model's context length),
   ``temperature``, ``top_p``, ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``,
-  ``logit_bias``, ``n`` (1 only), ``logprobs``/``top_logprobs``; vLLM's extensions ``top_k``,
+  ``logit_bias``, ``n`` (up to ``MAX_N`` choices, each its own request on the engine, seeded
+  ``seed + index`` as vLLM seeds its parallel samples), ``logprobs``/``top_logprobs``; vLLM's extensions ``top_k``,
   ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``. Ranges are the engine's
   (``mmserve.serving.sampling``), checked there and answered 400.
 * structured output: ``response_format`` (``text``, ``json_object``, ``json_schema`` with its
@@ -136,7 +137,7 @@ class ChatCompletionRequest(_Strict):
     seed: int | None = None
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=16)  # MAX_N
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool | None = None
@@ -157,6 +158,9 @@ class ChatCompletionRequest(_Strict):
     prompt_cache_key: str | None = None
     service_tier: str | None = None
 
+
+MAX_N = 16
+"""The most choices per request (``n``): each is a request of its own on the engine."""
 
 IGNORED = ("user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier")
 
@@ -196,8 +200,6 @@ def parse_request(body: Any) -> ChatCompletionRequest:
         request = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc, body) from None
-    if request.n not in (None, 1):
-        raise invalid(f"n: only 1 choice per request is served, found {request.n}", param="n", code="unsupported")
     if request.top_logprobs is not None and not request.logprobs:
         raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
     if (

@@ -114,12 +114,14 @@ def parse_request(
     get: Callable[[str], np.ndarray | None],
     *,
     vocab_size: int | None = None,
+    max_model_len: int | None = None,
     wire_decoders: Mapping[str, WireDecoder] | None = None,
 ) -> GenerateRequest:
     """Read one request through ``get(name) -> array | None`` (None: optional input not sent).
 
     ``vocab_size`` bounds the prompt's token ids (an id past the embedding table would fail inside
-    the model, in the engine process). ``wire_decoders`` (``FamilySpec.wire_decoders``) turn the
+    the model, in the engine process); ``max_model_len`` bounds ``max_tokens`` (as ``vllm serve``
+    does: more is refused, not cut to the context length). ``wire_decoders`` (``FamilySpec.wire_decoders``) turn the
     family's wire fields (``pixel_values_uint8``) back into its fields; without them those are
     refused.
     """
@@ -161,6 +163,12 @@ def parse_request(
         stream=flags["stream"],
         logprobs=flags["return_logprobs"],
     )
+    max_tokens = sampling.params.max_tokens
+    if max_model_len is not None and max_tokens is not None and max_tokens > max_model_len:
+        raise RequestError(
+            f"sampling_parameters: max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}; "
+            "request fewer output tokens"
+        )
     return GenerateRequest(
         prompt=processed_prompt(family, ids, features),
         sampling_params=sampling.params,
@@ -237,7 +245,10 @@ class _InFlight:
 
     sink: ResponseSink
     flush_s: float = 0.0  # a stream's shortest interval between two responses (after its first)
-    future: Any = None
+    future: Any = None  # done once _run has posted the request's final response
+    # On the engine's loop only: _run's task once it runs, and whether it is to stop (``_stop``).
+    task: asyncio.Task[None] | None = None
+    stopping: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     # What waits for the outbox: engine outputs and calls (final, error), in order.
     pending: list[RequestOutput | Callable[[], None]] = field(default_factory=list)
@@ -288,6 +299,7 @@ class LLMService:
         self.family = family_of_checkpoint(runner.engine_args["model"])
         self.wire_decoders = self.family.wire_decoders(runner.engine_args["model"])
         self.vocab_size: int | None = runner.vocab_size
+        self.max_model_len: int | None = runner.max_model_len
         self.health = health or HealthConfig()
         self._on_failure = on_failure
         self._in_flight: dict[str, _InFlight] = {}
@@ -405,6 +417,9 @@ class LLMService:
             self._post(entry, request, item)
 
         try:
+            entry.task = asyncio.current_task()
+            if entry.stopping:  # stopped before it ran: answered below like any stopped request
+                raise asyncio.CancelledError
             last: RequestOutput | None = None
             async for output in self.runner.stream(request.prompt, request.sampling_params, request_id):
                 self._last_progress = time.monotonic()
@@ -552,8 +567,7 @@ class LLMService:
         logger.error("engine failed: %s; failing %d request(s) in flight: %s", reason, len(in_flight), ids)
         self.runner.kill_processes()  # first: a wedged engine may still hold memory (weights) or resume
         for entry in in_flight:
-            if entry.future is not None:
-                entry.future.cancel()  # _run answers UNAVAILABLE
+            self._stop(entry)  # _run answers UNAVAILABLE
         self._idle.wait(10)
         self._outbox.flush(10)
         try:
@@ -593,9 +607,25 @@ class LLMService:
         with self._lock:
             in_flight = list(self._in_flight.values())
         for entry in in_flight:
-            if entry.future is not None:
-                entry.future.cancel()
+            self._stop(entry)
         return len(in_flight)
+
+    def _stop(self, entry: _InFlight) -> None:
+        """End a request in flight: its task is cancelled on the loop and answers ``_unavailable()``.
+
+        Not ``entry.future.cancel()``: that marks the future done at once (``_done`` would count the
+        request finished before its final response is queued), and a task cancelled before its
+        first step never runs ``_run``'s handler, so its request would get no final response."""
+
+        def stop() -> None:
+            entry.stopping = True
+            if entry.task is not None:
+                entry.task.cancel()
+
+        try:
+            self.runner.loop.call_soon_threadsafe(stop)
+        except RuntimeError:  # the loop is closed: nothing runs on it any more
+            logger.warning("a request could not be stopped: the engine's loop is closed")
 
     def shutdown(self) -> None:
         """Stop within a bounded time: requests still in flight are answered UNAVAILABLE, then the

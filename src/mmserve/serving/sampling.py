@@ -333,8 +333,12 @@ NULLABLE = frozenset(
         "structured_outputs",
     }
 )
-"""Fields vLLM types as Optional: JSON null means the default, as if the field were left out
-(for max_tokens that is SamplingParams' 16, not "unbounded")."""
+"""Fields vLLM types as Optional: JSON null means the default, as if the field were left out,
+but for ``max_tokens``, where null is vLLM's None: up to the context length (``NULL_IS_NONE``)."""
+
+NULL_IS_NONE = frozenset({"max_tokens"})
+"""Fields whose JSON null is passed on as None, a value of its own (``max_tokens``: no limit but the
+context length; left out, it is SamplingParams' 16, as in Triton's vLLM backend)."""
 
 _FIELDS = frozenset(SamplingParams.__struct_fields__)
 
@@ -381,6 +385,7 @@ def parse_generation_parameters(text: str | None, *, stream: bool, logprobs: boo
     kwargs: dict[str, Any] = {
         name: SUPPORTED[name](name, value) for name, value in raw.items() if not (value is None and name in NULLABLE)
     }
+    kwargs.update({name: None for name in NULL_IS_NONE if name in raw and raw[name] is None})
     if kwargs.get("n", 1) != 1:
         raise InputError(f"{PREFIX}n: only 1 completion per request is served, found {kwargs['n']}")
     if logprobs and kwargs.get("logprobs") is None:

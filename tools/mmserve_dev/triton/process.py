@@ -184,6 +184,10 @@ def _stop_all_at_exit() -> None:
 atexit.register(_stop_all_at_exit)
 
 
+_NANOBIND_LEAK_REPORT = re.compile(r"nanobind: (leaked|this is likely)| - leaked | - \.\.\. skipped remainder")
+_NANOBIND_LEAK_LINK = re.compile(r"^See https://nanobind\S*?refleaks\.html")  # no newline: the next line follows
+
+
 class TritonServer:
     """A tritonserver process on 127.0.0.1 serving ``model_repository`` with the Python backend.
 
@@ -567,13 +571,18 @@ class TritonServer:
                 path.unlink()
 
     def log_tail(self, lines: int = 60) -> str:
+        """The log's last ``lines`` lines, without the reference-leak reports that triton-lang's
+        nanobind module prints when a process that imported it exits (dozens of lines each, no
+        news: they would push a stack dump out of a failure message)."""
         if self.log_path is None:
             return "(the log went to stdout)"
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        lines_ = (_NANOBIND_LEAK_LINK.sub("", line) for line in text.splitlines())
+        kept = [line for line in lines_ if line and not _NANOBIND_LEAK_REPORT.match(line)]
+        return "\n".join(kept[-lines:])
 
     # ---------------------------------------------------------------------------- context manager
     def __enter__(self) -> TritonServer:
