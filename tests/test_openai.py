@@ -298,7 +298,7 @@ def test_n_choices_equal_vllms_parallel_sampling(references, sdk):
     assert [choice.message.content for choice in reply.choices] == expected
     assert [choice.index for choice in reply.choices] == [0, 1]
     assert reply.usage.prompt_tokens == case.prompt_tokens
-    assert reply.usage.completion_tokens == sum(len(reference.ids) for reference in PARALLEL_REFERENCES)
+    assert reply.usage.completion_tokens == sum(len(reference.ids or []) for reference in PARALLEL_REFERENCES)
     texts = ["", ""]
     for chunk in sdk.chat.completions.create(**request, stream=True):
         for choice in chunk.choices:

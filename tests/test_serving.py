@@ -455,12 +455,12 @@ def test_requests_stopped_before_they_ran_get_one_final_response(tiny_models):
             return False
 
     stopping = "the server is stopping; retry on another replica or later"
-    request = GenerateRequest(prompt={}, sampling_params=None, flags={"stream": True})  # type: ignore[arg-type]
+    request = GenerateRequest(prompt={}, sampling_params=None, flags={"stream": True})
     # The loop is held busy: no request's task takes its first step before the drain ends them.
     hold = threading.Event()
     runner.loop.call_soon_threadsafe(hold.wait, 10)
     for k in range(8):
-        service.submit(request, Sink(k), f"r{k}")  # type: ignore[arg-type]
+        service.submit(request, Sink(k), f"r{k}")
     drained: list[int] = []
     draining = threading.Thread(target=lambda: drained.append(service.drain(0.0)))
     draining.start()
