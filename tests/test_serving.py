@@ -545,3 +545,13 @@ def test_the_sender_guard_sends_one_final_and_lets_the_sender_go():
     held = weakref.ref(sender)
     del sender, request
     assert held() is None, "the guard still holds the sender after the final response"
+
+    # Before a stop: every guard still without a final response gets one (but the one named).
+    senders = [Sender() for _ in range(3)]
+    sinks = [TritonSink(pb, Request(s)) for s in senders]
+    sinks[0].send_final()
+    assert TritonSink.end_unfinished(UnavailableError("the server is stopping"), but=sinks[2]) == 1
+    assert [[flags for _, flags in s.sent] for s in senders] == [[1], [1], []]
+    assert senders[1].sent[0][0].error.message().startswith("[UNAVAILABLE] the server is stopping")
+    assert TritonSink.unfinished() == before + 1
+    sinks[2].send_final()

@@ -35,7 +35,8 @@ from mmserve.serving.embedded import finish_stub, freeze_startup_heap, prepare_s
 
 use_utf8_locale()  # first: before torch or vLLM read a file (see its docstring)
 
-from mmserve.serving.llm import STREAM_FLUSH_MS, HealthConfig, LLMConfig, LLMService, parse_request
+from mmserve.errors import UnavailableError
+from mmserve.serving.llm import STOPPING, STREAM_FLUSH_MS, HealthConfig, LLMConfig, LLMService, parse_request
 from mmserve.serving.metrics import TritonMetrics, TritonStatLogger
 from mmserve.serving.triton import TritonSink, flag, parameters, read_input
 
@@ -130,8 +131,9 @@ class TritonPythonModel:
     def _drain(self, grace_s, sink):
         ended = self.service.drain(grace_s)
         logger.info("drained: %d request(s) ended UNAVAILABLE after the %.1f-s grace period", ended, grace_s)
-        if unanswered := TritonSink.unfinished() - 1:  # but this one: each would hold the model loaded
-            logger.error("drained, but %d request(s) still have no final response", unanswered)
+        # A request the drain did not end (none should be left) would hold the model loaded.
+        if unanswered := TritonSink.end_unfinished(UnavailableError(STOPPING), but=sink):
+            logger.error("drained: %d request(s) had no final response; each was sent UNAVAILABLE", unanswered)
         sink.send_final()
 
     def finalize(self):

@@ -48,6 +48,8 @@ that only cancel their stream: through the ensemble the ``cancel`` control reque
 STOP_WAIT_S = 2.0
 """At a stop or a drain, the longest wait for each step: the requests cancelled to answer, the
 responses to go out, the watcher to end (the engine's own stop: ``mmserve.engine.SHUTDOWN_GRACE_S``)."""
+STOPPING = "the server is stopping; retry on another replica or later"
+"""What a request refused or ended by a drain or a stop is told (``UNAVAILABLE``)."""
 
 EARLY_CANCEL_S = 60.0
 """How long a cancel for a request id not in flight (yet) is remembered (``LLMService.cancel``)."""
@@ -333,7 +335,7 @@ class LLMService:
         if self._failure is not None:
             return UnavailableError(f"the engine failed ({self._failure}); the model is being restarted, retry shortly")
         if self._stopping.is_set() or self._draining.is_set():
-            return UnavailableError("the server is stopping; retry on another replica or later")
+            return UnavailableError(STOPPING)
         return None
 
     # -- requests ------------------------------------------------------------------------------

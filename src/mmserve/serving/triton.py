@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,11 +70,12 @@ class TritonSink:
       (in a garbage cycle, an exception's traceback) does not keep the model from unloading.
 
     ``TritonSink.unfinished()`` counts the guards whose final response is not sent (``mm_llm``
-    logs it at its stop: it must be 0).
+    logs it at its stop: it must be 0); ``end_unfinished`` sends them one.
     """
 
     _open = 0
     _open_lock = threading.Lock()
+    _live: weakref.WeakSet[TritonSink] = weakref.WeakSet()
 
     def __init__(self, pb_utils: Any, request: Any) -> None:
         self._pb = pb_utils
@@ -81,10 +83,26 @@ class TritonSink:
         self._lock = threading.Lock()
         with TritonSink._open_lock:
             TritonSink._open += 1
+            TritonSink._live.add(self)
 
     @classmethod
     def unfinished(cls) -> int:
         return cls._open
+
+    @classmethod
+    def end_unfinished(cls, error: BaseException, *, but: TritonSink | None = None) -> int:
+        """Send ``error`` as the final response of every guard still without one (but ``but``);
+        returns how many. Before a stop: a request left without its final response holds its
+        model loaded (Triton frees the response factory only then), so the stop would wait for
+        ``--exit-timeout-secs`` and exit 1."""
+        with cls._open_lock:
+            live = list(cls._live)
+        ended = 0
+        for sink in live:
+            if sink is not but and not sink.finished:
+                sink.send_error(error)
+                ended += 1
+        return ended
 
     @property
     def finished(self) -> bool:
