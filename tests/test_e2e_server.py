@@ -30,11 +30,15 @@ from utils import (
     CASES,
     ENTRIES,
     MAX_TOKENS,
+    PROMPT_LOGPROBS,
+    PROMPT_LOGPROBS_CASE,
+    PROMPT_LOGPROBS_REFERENCE,
     ROOT,
     STRUCTURED,
     STRUCTURED_REFERENCES,
     assert_cancel_stopped_the_engine,
     assert_meets_constraint,
+    assert_prompt_logprobs_equal,
     generated_after_cancel,
     http_generate,
     metric,
@@ -186,6 +190,20 @@ def test_structured_outputs_equal_the_offline_engine(server, references, kind):
     result = _client(server).generate(reference.text, reference.images, **structured_sampling(kind))
     assert (result.output_ids, result.text) == (reference.ids, reference.output)
     assert_meets_constraint(kind, result.text)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["no-stream", "stream"])
+def test_prompt_logprobs_equal_the_offline_engine(server, references, stream):
+    """``sampling_parameters.prompt_logprobs`` through mm_ensemble on an image request: offline
+    vLLM's on the raw image, per prompt token (the placeholders included), in the first response;
+    the generated tokens unchanged."""
+    case = references[PROMPT_LOGPROBS_CASE]
+    result = _client(server).generate(
+        case.text, case.images, stream=stream, **_sampling(), prompt_logprobs=PROMPT_LOGPROBS
+    )
+    assert result.output_ids == case.ids
+    assert len(PROMPT_LOGPROBS_REFERENCE) == case.prompt_tokens
+    assert_prompt_logprobs_equal(result.prompt_logprobs, PROMPT_LOGPROBS_REFERENCE)
 
 
 @pytest.mark.parametrize(

@@ -558,6 +558,10 @@ def _grpc_result(outputs: dict[str, tuple[str, np.ndarray]]) -> Any:
                 "BYTES",
                 np.array([b'[{"5": {"logprob": -0.5, "rank": 1, "decoded_token": "x"}}]'], dtype=object),
             ),
+            "prompt_logprobs": (
+                "BYTES",
+                np.array([b'[null, {"8": {"logprob": -1.25, "rank": 2, "decoded_token": "y"}}]'], dtype=object),
+            ),
             "num_input_tokens": ("UINT32", np.array([41], dtype=np.uint32)),
             "num_output_tokens": ("UINT32", np.array([3], dtype=np.uint32)),
         },
@@ -577,6 +581,8 @@ def test_delta_from_a_grpc_response_reads_what_tritonclient_decodes(outputs):
 
     result = _grpc_result(outputs)
     assert delta_from(result) == _delta_via_as_numpy(result)
+    if "prompt_logprobs" in outputs:
+        assert delta_from(result).prompt_logprobs == [None, {"8": {"logprob": -1.25, "rank": 2, "decoded_token": "y"}}]
 
 
 def test_a_silent_triton_stream_times_out_and_is_cancelled():
@@ -865,6 +871,29 @@ def test_an_error_on_one_choice_ends_the_others(gateway):
     with pytest.raises(openai.BadRequestError, match="bad"):
         client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")], n=3)
     assert (backend.closed, backend.completed) == (2, 0)  # the two others were closed before their end
+
+
+def test_prompt_logprobs_as_vllm_serve_gives_them(gateway):
+    """vLLM's ``prompt_logprobs``: passed to the engine, answered at the completion's top level (the
+    first response's); refused when streamed, as ``vllm serve`` refuses it."""
+    import openai
+
+    steps = [None, {"8": {"logprob": -1.25, "rank": 2, "decoded_token": "y"}}]
+    first = Delta("Hel", [1], None, 20, 1, None, prompt_logprobs=steps)
+    backend = FakeBackend([first, *STREAM[1:]])
+    client = sdk(gateway(backend))
+    reply = client.chat.completions.create(
+        model="mm_ensemble", messages=[user("Hi")], extra_body={"prompt_logprobs": 1}
+    )
+    assert reply.model_extra is not None and reply.model_extra["prompt_logprobs"] == steps
+    assert json.loads(backend.requests[0]["sampling_parameters"][0])["prompt_logprobs"] == 1
+    plain = client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")])
+    assert "prompt_logprobs" not in (plain.model_extra or {})
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="mm_ensemble", messages=[user("Hi")], stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    assert info.value.param == "prompt_logprobs" and "stream=True" in info.value.message
 
 
 def test_sdk_sees_openai_errors_with_their_status(gateway):

@@ -27,12 +27,16 @@ from utils import (
     MAX_TOKENS,
     PARALLEL,
     PARALLEL_REFERENCES,
+    PROMPT_LOGPROBS,
+    PROMPT_LOGPROBS_CASE,
+    PROMPT_LOGPROBS_REFERENCE,
     ROOT,
     STRUCTURED,
     STRUCTURED_MAX_TOKENS,
     STRUCTURED_REFERENCES,
     assert_cancel_stopped_the_engine,
     assert_meets_constraint,
+    assert_prompt_logprobs_equal,
     generated_after_cancel,
 )
 from utils import client as triton_client
@@ -304,6 +308,18 @@ def test_n_choices_equal_vllms_parallel_sampling(references, sdk):
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
     assert texts == expected
+
+
+def test_prompt_logprobs_equal_the_offline_engine(references, sdk):
+    """vLLM's ``prompt_logprobs`` (``extra_body`` in the SDK): offline vLLM's on the raw image, at
+    the completion's top level, as ``vllm serve`` answers them."""
+    case = references[PROMPT_LOGPROBS_CASE]
+    reply = sdk.chat.completions.create(
+        model="mm_ensemble", messages=[user_turn(case)], extra_body={"prompt_logprobs": PROMPT_LOGPROBS}, **GREEDY
+    )
+    assert reply.choices[0].message.content == case.output
+    assert reply.model_extra is not None
+    assert_prompt_logprobs_equal(reply.model_extra["prompt_logprobs"], PROMPT_LOGPROBS_REFERENCE)
 
 
 def test_models_and_health(gateway, sdk):

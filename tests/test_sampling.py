@@ -39,9 +39,10 @@ BAD = [
     ({"output_kind": 0}, "parameter(s) ['output_kind'] not supported by this server"),
     ({"_eos_token_id": 2}, "parameter(s) ['_eos_token_id'] not supported by this server"),
     (
-        {"detokenize": False, "prompt_logprobs": 1},
-        "parameter(s) ['detokenize', 'prompt_logprobs'] not supported by this server",
+        {"detokenize": False, "flat_logprobs": True},
+        "parameter(s) ['detokenize', 'flat_logprobs'] not supported by this server",
     ),
+    ({"prompt_logprobs": -2}, "prompt_logprobs: expected int in [-1, 2147483647], found -2"),
     ({"thinking_token_budget": 5}, "['thinking_token_budget'] not supported"),
     # ints
     ({"max_tokens": "many"}, "max_tokens: expected int, found 'many'"),
@@ -152,6 +153,8 @@ GOOD = [
     ({"max_tokens": 2**31 - 1}, {"max_tokens": 2**31 - 1}),
     ({"seed": None, "stop": None, "logit_bias": None}, {"max_tokens": 16, "seed": None}),
     ({"max_tokens": None}, {"max_tokens": None}),  # vLLM's None: up to the context length
+    ({"prompt_logprobs": "2"}, {"prompt_logprobs": 2}),
+    ({"prompt_logprobs": None}, {"prompt_logprobs": None}),
     ({"seed": 0}, {"seed": 0}),
     ({"seed": 2**63 - 1}, {"seed": 2**63 - 1}),
     ({"seed": "42"}, {"seed": 42}),

@@ -229,6 +229,26 @@ def assert_meets_constraint(kind: str, text: str) -> None:
         assert re.fullmatch(constraint, text), text
 
 
+PROMPT_LOGPROBS = 2
+"""``prompt_logprobs`` of ``PROMPT_LOGPROBS_CASE``'s request; ``compute_references`` fills
+``PROMPT_LOGPROBS_REFERENCE`` with offline vLLM's (as ``mm_llm`` serializes them)."""
+PROMPT_LOGPROBS_CASE = "image#0"
+PROMPT_LOGPROBS_REFERENCE: list[dict[str, Any] | None] = []
+
+
+def assert_prompt_logprobs_equal(
+    got: list[dict[str, Any] | None] | None, expected: list[dict[str, Any] | None]
+) -> None:
+    """Per prompt token the same tokens with the same ranks and decoded text, logprobs to float32
+    noise (the batches differ)."""
+    assert got is not None and len(got) == len(expected) and got[0] is None is expected[0], (got, expected)
+    for position, (step, want) in enumerate(zip(got[1:], expected[1:], strict=True), start=1):
+        assert step is not None and want is not None and step.keys() == want.keys(), (position, step, want)
+        for token, info in want.items():
+            assert (step[token]["rank"], step[token]["decoded_token"]) == (info["rank"], info["decoded_token"])
+            assert abs(step[token]["logprob"] - info["logprob"]) < 1e-3, (position, token, step[token], info)
+
+
 PARALLEL: dict[str, Any] = {"n": 2, "seed": 11, "temperature": 1.0}
 """Parallel sampling (OpenAI's ``n``) of ``PARALLEL_CASE``; ``compute_references`` fills
 ``PARALLEL_REFERENCES`` with offline vLLM's choices under ``SamplingParams(**PARALLEL)``."""
@@ -247,6 +267,7 @@ def compute_references(model: str, engine_args: dict[str, Any]) -> dict[str, Cas
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     from mmserve.engine import EngineRunner
+    from mmserve.serving.llm import prompt_logprobs
     from mmserve_dev.hf_reference import chat_prompt, load_processor
 
     processor = load_processor(model)
@@ -283,6 +304,10 @@ def compute_references(model: str, engine_args: dict[str, Any]) -> dict[str, Cas
             )
             run(engine, structured, params)
             STRUCTURED_REFERENCES[kind] = structured
+        output = engine.generate_sync(
+            raw_prompt(BY_NAME[PROMPT_LOGPROBS_CASE]), SamplingParams(**sampling(), prompt_logprobs=PROMPT_LOGPROBS)
+        )
+        PROMPT_LOGPROBS_REFERENCE[:] = prompt_logprobs(output.prompt_logprobs or [])
         case = BY_NAME[PARALLEL_CASE]
         params = SamplingParams(max_tokens=MAX_TOKENS, output_kind=RequestOutputKind.FINAL_ONLY, **PARALLEL)
         output = engine.generate_sync(raw_prompt(case), params)

@@ -71,6 +71,9 @@ class Result:
     finish_reason: str | None = None
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    """Per prompt token, when ``prompt_logprobs`` is asked for: None for the first, then
+    ``{token id: {"logprob", "rank", "decoded_token"}}`` (the first response carries them)."""
 
 
 class ClientError(RuntimeError):
@@ -166,6 +169,7 @@ class MMClient:
             result.output_ids += response.output_ids
             result.finish_reason = response.finish_reason or result.finish_reason
             result.num_input_tokens = response.num_input_tokens or result.num_input_tokens
+            result.prompt_logprobs = result.prompt_logprobs or response.prompt_logprobs
             if response.num_output_tokens is not None:
                 result.num_output_tokens = (result.num_output_tokens or 0) + response.num_output_tokens
         return result
@@ -525,12 +529,14 @@ def _result_from(get: Any) -> Result:
     ids = get("output_ids")
     output_ids = [] if ids is None else [int(i) for i in np.asarray(ids).reshape(-1)]
     output_tokens = optional("num_output_tokens")
+    prompt = optional("prompt_logprobs")
     return Result(
         text=optional("text_output") or "",
         output_ids=output_ids,
         finish_reason=optional("finish_reason") or None,
         num_input_tokens=optional("num_input_tokens"),
         num_output_tokens=len(output_ids) if output_tokens is None else output_tokens,
+        prompt_logprobs=None if prompt is None else json.loads(prompt),
     )
 
 
@@ -542,10 +548,12 @@ def _result_from_json(event: Mapping[str, Any]) -> Result:
     ids = event.get("output_ids") or []
     output_ids = [int(i) for i in (ids if isinstance(ids, list) else [ids])]
     output_tokens = first("num_output_tokens")
+    prompt = first("prompt_logprobs")
     return Result(
         text=first("text_output") or "",
         output_ids=output_ids,
         finish_reason=first("finish_reason") or None,
         num_input_tokens=first("num_input_tokens"),
         num_output_tokens=len(output_ids) if output_tokens is None else output_tokens,
+        prompt_logprobs=None if prompt is None else json.loads(prompt),
     )

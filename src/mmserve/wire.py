@@ -119,6 +119,13 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("finish_reason", "object", ("texts",), "stop, length, abort (return_finish_reason)"),
     TensorSpec("cumulative_logprob", "float32", ("values",), "(return_cumulative_logprob)"),
     TensorSpec("logprobs", "object", ("texts",), "per token, JSON (return_logprobs)"),
+    TensorSpec(
+        "prompt_logprobs",
+        "object",
+        ("texts",),
+        "per prompt token, JSON: null for the first, then {token id: {logprob, rank, decoded_token}}; "
+        "in the first response (sampling_parameters.prompt_logprobs)",
+    ),
     TensorSpec("num_input_tokens", "uint32", ("values",), "prompt length (return_num_input_tokens)"),
     TensorSpec("num_output_tokens", "uint32", ("values",), "tokens generated so far (return_num_output_tokens)"),
 )

@@ -299,6 +299,7 @@ class _Answer:
         self.created = int(time.time())
         self.choices = [_Choice(index) for index in range(chat.n or 1)]
         self.prompt_tokens = 0
+        self.prompt_logprobs: list[dict[str, Any] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -309,6 +310,8 @@ class _Answer:
         choice = self.choices[index]
         if delta.num_input_tokens is not None:
             self.prompt_tokens = delta.num_input_tokens  # the same prompt for every choice: counted once
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         choice.completion_tokens += delta.num_output_tokens
         choice.text.append(delta.text)
         choice.token_ids += delta.token_ids
@@ -350,6 +353,7 @@ class _Answer:
                 for choice in self.choices
             ],
             "usage": self.usage(),
+            **({"prompt_logprobs": self.prompt_logprobs} if self.chat.prompt_logprobs is not None else {}),
         }
 
     def chunk(

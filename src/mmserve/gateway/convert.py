@@ -171,6 +171,8 @@ def sampling_parameters(request: ChatCompletionRequest, choice: int = 0) -> dict
         params["seed"] = request.seed + choice
     if request.logprobs:
         params["logprobs"] = request.top_logprobs or 0  # 0: the sampled token's only
+    if request.prompt_logprobs is not None:
+        params["prompt_logprobs"] = request.prompt_logprobs
     structured = dict(request.structured_outputs or {})
     response_format = request.response_format
     if response_format is not None and response_format.type == "json_object":

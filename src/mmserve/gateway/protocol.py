@@ -13,7 +13,7 @@ that names the field, never silently dropped:
 * sampling: ``max_tokens``/``max_completion_tokens`` (absent: up to the model's context length),
   ``temperature``, ``top_p``, ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``,
   ``logit_bias``, ``n`` (up to ``MAX_N`` choices, each its own request on the engine, seeded
-  ``seed + index`` as vLLM seeds its parallel samples), ``logprobs``/``top_logprobs``; vLLM's extensions ``top_k``,
+  ``seed + index`` as vLLM seeds its parallel samples), ``logprobs``/``top_logprobs``, vLLM's ``prompt_logprobs`` (not streamed, as vLLM); vLLM's extensions ``top_k``,
   ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``. Ranges are the engine's
   (``mmserve.serving.sampling``), checked there and answered 400.
 * structured output: ``response_format`` (``text``, ``json_object``, ``json_schema`` with its
@@ -140,6 +140,7 @@ class ChatCompletionRequest(_Strict):
     n: int | None = Field(default=None, ge=1, le=16)  # MAX_N
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=-1)  # vLLM's: per prompt token, not streamed
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     # vLLM's extensions of the OpenAI API
@@ -200,6 +201,8 @@ def parse_request(body: Any) -> ChatCompletionRequest:
         request = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc, body) from None
+    if request.prompt_logprobs is not None and request.stream and request.prompt_logprobs != 0:
+        raise invalid("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
     if request.top_logprobs is not None and not request.logprobs:
         raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
     if (

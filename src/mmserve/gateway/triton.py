@@ -46,6 +46,8 @@ class Delta:
     num_output_tokens: int
     """The response's new tokens: its ``num_output_tokens`` tensor, else ``len(token_ids)``."""
     logprobs: list[dict[str, Any]] | None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    """Per prompt token (``prompt_logprobs`` asked for): in the first response only."""
 
 
 _NUMERIC = {"INT64": np.int64, "INT32": np.int32, "UINT32": np.uint32, "UINT64": np.uint64, "FP32": np.float32}
@@ -67,7 +69,7 @@ def delta_from_response(response: Any) -> Delta:
         from tritonclient.grpc import InferResult
 
         return _delta_via_as_numpy(InferResult(response))
-    text = finish = logprobs = None
+    text = finish = logprobs = prompt = None
     ids: list[int] = []
     input_tokens: int | None = None
     output_tokens: int | None = None
@@ -83,6 +85,8 @@ def delta_from_response(response: Any) -> Delta:
                 finish = first
             elif name == "logprobs":
                 logprobs = first
+            elif name == "prompt_logprobs":
+                prompt = first
         elif output.datatype in _NUMERIC and data:
             values = np.frombuffer(data, dtype=_NUMERIC[output.datatype])
             if name == "output_ids":
@@ -98,6 +102,7 @@ def delta_from_response(response: Any) -> Delta:
         num_input_tokens=input_tokens,
         num_output_tokens=len(ids) if output_tokens is None else output_tokens,
         logprobs=None if logprobs is None else json.loads(logprobs),
+        prompt_logprobs=None if prompt is None else json.loads(prompt),
     )
 
 
@@ -113,6 +118,7 @@ def _delta_via_as_numpy(result: Any) -> Delta:
     ids = result.as_numpy("output_ids")
     token_ids = [] if ids is None else [int(i) for i in np.asarray(ids).reshape(-1)]
     logprobs = _first(result, "logprobs")
+    prompt = _first(result, "prompt_logprobs")
     output_tokens = _first(result, "num_output_tokens")
     return Delta(
         text=_first(result, "text_output") or "",
@@ -121,6 +127,7 @@ def _delta_via_as_numpy(result: Any) -> Delta:
         num_input_tokens=_first(result, "num_input_tokens"),
         num_output_tokens=len(token_ids) if output_tokens is None else int(output_tokens),
         logprobs=None if logprobs is None else json.loads(logprobs),
+        prompt_logprobs=None if prompt is None else json.loads(prompt),
     )
 
 

@@ -15,7 +15,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -233,11 +233,33 @@ def response_tensors(request: GenerateRequest, output: RequestOutput) -> dict[st
             for step in (completion.logprobs or [])
         ]
         tensors["logprobs"] = np.array([json.dumps(logprobs).encode()], dtype=np.object_)
+    if output.prompt_logprobs:  # asked for (sampling_parameters.prompt_logprobs): the first output has them
+        tensors["prompt_logprobs"] = np.array(
+            [json.dumps(prompt_logprobs(output.prompt_logprobs)).encode()], np.object_
+        )
     if flags["return_num_input_tokens"]:
         tensors["num_input_tokens"] = np.array([len(output.prompt_token_ids or [])], dtype=np.uint32)
     if flags["return_num_output_tokens"]:
         tensors["num_output_tokens"] = np.array([len(completion.token_ids)], dtype=np.uint32)
     return tensors
+
+
+def prompt_logprobs(steps: Sequence[Mapping[int, Any] | None]) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt logprobs as JSON: per prompt token null (the first) or ``{token id: {logprob,
+    rank, decoded_token}}``, -inf as -9999.0 (as ``vllm serve`` answers them)."""
+
+    def value(logprob: float) -> float:
+        return -9999.0 if logprob == float("-inf") else logprob
+
+    return [
+        None
+        if step is None
+        else {
+            str(token): {"logprob": value(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token, lp in step.items()
+        }
+        for step in steps
+    ]
 
 
 @dataclass

@@ -287,6 +287,7 @@ SUPPORTED: dict[str, Converter] = {
     "max_tokens": _int(1, INT32_MAX),
     "min_tokens": _int(0, INT32_MAX),
     "logprobs": _int(-1, INT32_MAX),  # -1: the whole vocabulary; the engine caps it (max_logprobs)
+    "prompt_logprobs": _int(-1, INT32_MAX),  # the same, per prompt token (the first response's prompt_logprobs)
     # floats (ranges: vLLM's SamplingParams checks them)
     "presence_penalty": _float(),
     "frequency_penalty": _float(),
@@ -325,6 +326,7 @@ NULLABLE = frozenset(
         "seed",
         "max_tokens",
         "logprobs",
+        "prompt_logprobs",
         "stop",
         "stop_token_ids",
         "bad_words",
