@@ -507,6 +507,25 @@ def test_triton_errors_map_to_http_statuses(message, status, type_):
         assert error.message.endswith(message.split("] ", 1)[1])
 
 
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        (
+            "[INVALID_ARG] sampling_parameters: max_tokens=100000 cannot be greater than max_model_len=4096",
+            "max_tokens",
+        ),
+        ("[INVALID_ARG] sampling_parameters: temperature: expected a number, found 'x'", "temperature"),
+        ("[INVALID_ARG] sampling_parameters: structured_outputs.regex: unclosed group", "structured_outputs.regex"),
+        ("[INVALID_ARG] sampling_parameters: temperature must be non-negative, got -1.0.", "temperature"),
+        ("[INVALID_ARG] sampling_parameters: invalid JSON (Expecting value)", None),
+        ("[INVALID_ARG] image[0]: cannot identify the image file", None),
+    ],
+)
+def test_a_sampling_error_names_its_field_as_param(message, param):
+    """As ``vllm serve``'s 400s: the offending sampling field is the error's ``param``."""
+    assert errors.from_triton(message).param == param
+
+
 def test_grpc_failures_map_to_503_without_internals():
     error = errors.from_grpc("UNAVAILABLE", "failed to connect to all addresses; ipv4:127.0.0.1:1: Connection refused")
     assert error.status == 503 and "127.0.0.1" not in error.message

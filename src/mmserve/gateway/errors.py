@@ -24,6 +24,7 @@ answers), gRPC failures by their status (``UNAVAILABLE``: nothing listens, the c
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from typing import Any
 
@@ -80,13 +81,17 @@ def internal(detail: str, exc: BaseException | None = None) -> APIError:
     )
 
 
+_SAMPLING_FIELD = re.compile(r"sampling_parameters: ([a-z_]+(?:\.[a-z_]+)*)(?:[:=]| must )")
+
+
 def from_triton(message: str) -> APIError:
     """An error response of the Triton model (its message as the model wrote it)."""
     code = code_of(message)
     tag = TAG.search(message)
     text = message[tag.end() :] if tag else message  # the tag is Triton's transport, not the client's
     if code == "INVALID_ARG":
-        return invalid(text)
+        named = _SAMPLING_FIELD.match(text)  # a sampling field: vLLM's name is the request's
+        return invalid(text, param=named.group(1) if named else None)
     if code in ("UNAVAILABLE", "CANCELLED"):  # CANCELLED by the server: shutting down
         return unavailable(text)
     if code == "INTERNAL":  # the model's public message: an incident id, paths already scrubbed
