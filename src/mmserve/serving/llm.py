@@ -123,9 +123,9 @@ def parse_request(
 
     ``vocab_size`` bounds the prompt's token ids (an id past the embedding table would fail inside
     the model, in the engine process); ``max_model_len`` bounds ``max_tokens`` (as ``vllm serve``
-    does: more is refused, not cut to the context length). ``wire_decoders`` (``FamilySpec.wire_decoders``) turn the
-    family's wire fields (``pixel_values_uint8``) back into its fields; without them those are
-    refused.
+    does: more is refused, not cut to the context length). ``wire_decoders``
+    (``FamilySpec.wire_decoders``) turn the family's wire fields (``pixel_values_uint8``) back into
+    its fields; without them those are refused.
     """
     ids = get(INPUT_IDS.name)
     if ids is None or ids.size == 0:
