@@ -173,6 +173,48 @@ def dump_stacks(pids: Iterable[int]) -> list[int]:
     return sent
 
 
+NATIVE_STACK_MARKERS = (
+    "triton::backend::python",
+    "ModelLifeCycle",
+    "TritonModel",
+    "ModelInstanceState",
+    "TerminateStub",
+    "thread_pool",
+    "ResponseFactory",
+    "Ensemble",
+    "Unload",
+)
+"""Native frames that make a tritonserver thread worth showing in ``native_stacks``."""
+
+
+def native_stacks(pid: int, timeout: float = 20.0) -> str:
+    """The native stacks of ``pid``'s threads that are in Triton's model lifecycle, its Python
+    backend or its ensemble (``NATIVE_STACK_MARKERS``), through gdb where it is installed; for a stop
+    that does not end: what tritonserver waits for, which the stubs' Python stacks cannot show."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return "(no gdb: no native stacks)"
+    try:
+        done = subprocess.run(
+            [gdb, "-p", str(pid), "-batch", "-nx", "-ex", "set pagination off", "-ex", "thread apply all bt 16"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(gdb failed: {exc})"
+    threads = re.split(r"\n(?=Thread \d+ )", done.stdout)
+    shown = [
+        thread.strip()
+        for thread in threads
+        if thread.startswith("Thread ") and any(m in thread for m in NATIVE_STACK_MARKERS)
+    ]
+    return (
+        f"native stacks of {pid}: {len(shown)} of {len(threads)} threads in Triton's lifecycle, backend or ensemble\n"
+        + "\n\n".join(shown)
+    )
+
+
 def _stop_all_at_exit() -> None:
     with _LIVE_LOCK:
         servers = list(_LIVE_SERVERS)
@@ -511,6 +553,7 @@ class TritonServer:
                         if pgid is not None:
                             phase("no exit yet: stacks dumped into the log")
                             dump_stacks(_group_members(pgid))
+                            self._log_native_stacks(proc.pid)
                         with contextlib.suppress(subprocess.TimeoutExpired):
                             proc.wait(timeout=max(timeout - (time.monotonic() - signalled), 0.0))
                 code = proc.poll()
@@ -533,6 +576,14 @@ class TritonServer:
             with _LIVE_LOCK:
                 _LIVE_SERVERS.discard(self)
             return code
+
+    def _log_native_stacks(self, pid: int) -> None:
+        """Append tritonserver's native stacks (``native_stacks``) to its log."""
+        if self._log_handle is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            self._log_handle.write(("\n" + native_stacks(pid) + "\n").encode(errors="replace"))
+            self._log_handle.flush()
 
     def drain_now(self) -> bool:
         """Drain ``drain`` (``mmserve.drain``) if it is set and the server runs; True if it answered."""
