@@ -54,11 +54,17 @@ def drain(url: str, grace_s: float = GRACE_S, *, llm: str = LLM, answer_margin_s
     except Exception:  # noqa: BLE001 - a server that can't be asked has nothing to drain
         return False
     finally:
-        try:
-            client.stop_stream(cancel_requests=True)
-            client.close()
-        except Exception:  # noqa: BLE001
-            pass
+        # Closing the stream waits for the server to end it: seconds on a loaded server (5 s seen),
+        # which are not the drain's; the stop that follows has its own budget.
+        threading.Thread(target=_close, args=(client,), name="mmserve-drain-close", daemon=True).start()
+
+
+def _close(client: Any) -> None:
+    try:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    except Exception:  # noqa: BLE001 - the server may be gone already
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
