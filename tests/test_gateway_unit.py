@@ -232,7 +232,7 @@ def test_tensors_use_the_messages_input_and_wire_names():
             top_logprobs=2,
         )
     )
-    tensors = convert.request_tensors(chat, asyncio.run(convert.conversation(chat)))
+    [tensors] = convert.request_tensors(chat, asyncio.run(convert.conversation(chat)))
     assert set(tensors) <= set(wire.names(wire.PUBLIC_INPUTS)) | {"messages"}
     assert "text_input" not in tensors and tensors["image"].dtype == object and tensors["image"][0] == PNG
     assert json.loads(tensors["messages"][0]) == [

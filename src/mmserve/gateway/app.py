@@ -201,14 +201,9 @@ async def _chat(request: Request, config: GatewayConfig, backend: Any, fetcher: 
     conv = await conversation(chat, fetcher, config.media_max_bytes)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     answer = _Answer(chat, completion_id, config.name)
-    if len(answer.choices) == 1:
-        streams = [backend.generate(request_tensors(chat, conv), completion_id)]
-    else:
-        streams = [
-            backend.generate(request_tensors(chat, conv, index), f"{completion_id}-{index}")
-            for index in range(len(answer.choices))
-        ]
-    deltas = _merged(streams)
+    choices = request_tensors(chat, conv)
+    ids = [completion_id] if len(choices) == 1 else [f"{completion_id}-{index}" for index in range(len(choices))]
+    deltas = _merged([backend.generate(tensors, request_id) for tensors, request_id in zip(choices, ids, strict=True)])
     try:
         if not chat.stream:
 

@@ -184,8 +184,20 @@ def sampling_parameters(request: ChatCompletionRequest, choice: int = 0) -> dict
     return params
 
 
-def request_tensors(request: ChatCompletionRequest, conv: Conversation, choice: int = 0) -> dict[str, np.ndarray]:
-    """The named tensors of the Triton request of choice ``choice`` (``mmserve.wire`` names)."""
+def request_tensors(request: ChatCompletionRequest, conv: Conversation) -> list[dict[str, np.ndarray]]:
+    """The named tensors (``mmserve.wire`` names) of the Triton request of each of the request's
+    ``n`` choices: the same but for their ``sampling_parameters`` (the seed)."""
+    first = _request_tensors(request, conv)
+    return [first] + [
+        {**first, "sampling_parameters": _sampling_tensor(request, choice)} for choice in range(1, request.n or 1)
+    ]
+
+
+def _sampling_tensor(request: ChatCompletionRequest, choice: int) -> np.ndarray:
+    return np.array([json.dumps(sampling_parameters(request, choice)).encode()], dtype=np.object_)
+
+
+def _request_tensors(request: ChatCompletionRequest, conv: Conversation) -> dict[str, np.ndarray]:
 
     def flag(value: bool) -> np.ndarray:
         return np.array([value], dtype=bool)
@@ -193,7 +205,7 @@ def request_tensors(request: ChatCompletionRequest, conv: Conversation, choice: 
     tensors = {
         "messages": np.array([json.dumps(conv.messages, ensure_ascii=False).encode()], dtype=np.object_),
         "stream": flag(bool(request.stream)),
-        "sampling_parameters": np.array([json.dumps(sampling_parameters(request, choice)).encode()], dtype=np.object_),
+        "sampling_parameters": _sampling_tensor(request, 0),
         "exclude_input_in_output": flag(True),
         "return_finish_reason": flag(True),
     }
