@@ -475,6 +475,59 @@ def test_requests_stopped_before_they_ran_get_one_final_response(tiny_models):
     runner.loop.call_soon_threadsafe(runner.loop.stop)
 
 
+class _EndingRunner(_LoopRunner):
+    """A stand-in runner whose streams end at once, unfinished (as an aborted vLLM request)."""
+
+    async def stream(self, prompt, params, request_id):
+        return
+        yield  # an async generator that ends before its first output
+
+
+def test_a_drain_returns_once_the_final_responses_are_sent(tiny_models):
+    """Requests that end within the drain's grace period: the drain returns only once their final
+    responses are sent, not merely queued (mm_llm then sends UNAVAILABLE to every request still
+    without one: it would replace a request's real ending)."""
+    import threading
+
+    from mmserve.serving.llm import GenerateRequest, LLMService
+
+    runner = _EndingRunner(tiny_models["qwen2_5_omni"])
+    service = LLMService(runner)  # type: ignore[arg-type]  # a stand-in runner
+    sent: list[int] = []
+    hold = threading.Event()
+
+    class SlowSink:
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def send(self, outputs, *, final):
+            raise AssertionError("no output expected")
+
+        def send_error(self, error):
+            raise AssertionError(f"no error expected: {error}")
+
+        def send_final(self):
+            hold.wait(10)  # Triton is slow to take it
+            sent.append(self.k)
+
+        def is_cancelled(self):
+            return False
+
+    request = GenerateRequest(prompt={}, sampling_params=None, flags={"stream": True})
+    for k in range(4):
+        service.submit(request, SlowSink(k), f"r{k}")
+    drained: list[int] = []
+    draining = threading.Thread(target=lambda: drained.append(service.drain(5.0)))
+    draining.start()
+    time.sleep(0.3)
+    assert draining.is_alive() and not sent  # their finals are queued, not sent: the drain waits
+    hold.set()
+    draining.join(10)
+    assert drained == [0] and sorted(sent) == [0, 1, 2, 3]
+    service.shutdown()
+    runner.loop.call_soon_threadsafe(runner.loop.stop)
+
+
 def test_drain_without_a_server_says_so():
     """``python -m mmserve.drain`` (the pod's preStop) exits 1, quickly, when no server answers."""
     import subprocess

@@ -316,6 +316,71 @@ def test_the_keeper_loads_back_a_model_that_was_unloaded(server: TritonServer) -
     assert not keeper._thread.is_alive()
 
 
+def _repository_state(http, model: str) -> str | None:
+    return {m["name"]: m.get("state") for m in http.get_model_repository_index()}.get(model)
+
+
+def _unloaded_within(http, model: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _repository_state(http, model) != "UNAVAILABLE":
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_an_open_stream_holds_its_model_until_half_closed(server: TritonServer) -> None:
+    """The Triton behaviour behind ``mmserve.triton_seam`` STREAM_HALF_CLOSE, on the tested release: a
+    gRPC stream whose request has ended keeps that request's model loaded (an unload waits, and so
+    would a stop, into its exit timeout) until the client half-closes it; then the unload completes.
+    When a release stops holding it, this test fails: re-measure the workaround."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    answers: queue.Queue = queue.Queue()
+    stream = grpcclient.InferenceServerClient(server.grpc_url)
+    http = httpclient.InferenceServerClient(server.http_url)
+    try:
+        stream.start_stream(callback=lambda result, error: answers.put(error or result))
+        inp = grpcclient.InferInput("IN", [2], "INT32")
+        inp.set_data_from_numpy(np.array([4, 2], dtype=np.int32))
+        stream.async_stream_infer("repeat", [inp], request_id="held", enable_empty_final_response=True)
+        while not (answer := answers.get(timeout=30)).get_response().parameters["triton_final_response"].bool_param:
+            assert not isinstance(answer, Exception), answer
+        http.unload_model("repeat")
+        assert not _unloaded_within(http, "repeat", 1.5), "the open stream no longer holds its model: re-measure"
+        assert _repository_state(http, "repeat") == "UNLOADING"
+        stream.stop_stream()  # the half-close (cancel_requests=False)
+        assert _unloaded_within(http, "repeat", 10), _repository_state(http, "repeat")
+    finally:
+        stream.close()
+        http.load_model("repeat")
+        http.close()
+
+
+def test_the_clients_close_their_control_streams(server: TritonServer) -> None:
+    """``mmserve.drain`` and ``mmserve.client.cancel_on_engine`` end with their stream closed (once
+    answered: half-closed, STREAM_HALF_CLOSE), so that a stop or an unload right after them is not
+    held. Sent to ``repeat``, their control requests are refused: answered all the same."""
+    import tritonclient.http as httpclient
+
+    from mmserve.client import cancel_on_engine
+    from mmserve.drain import drain
+
+    http = httpclient.InferenceServerClient(server.http_url)
+    try:
+        for ask in (
+            lambda: drain(server.grpc_url, 0.0, llm="repeat", answer_margin_s=5.0),
+            lambda: cancel_on_engine(server.grpc_url, "nothing", llm="repeat"),
+        ):
+            assert ask() is False  # refused (unknown inputs), hence answered
+            http.unload_model("repeat")
+            assert _unloaded_within(http, "repeat", 10), _repository_state(http, "repeat")
+            http.load_model("repeat")
+    finally:
+        http.close()
+
+
 def test_stop_leaves_nothing(tmp_path: Path) -> None:
     """A server of its own (the shared one stays up for the other tests): stop() kills the whole
     process group and removes the server's /dev/shm regions."""

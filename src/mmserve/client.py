@@ -405,7 +405,7 @@ class Generation:
             if not (sent and self._cancel_answered.wait(CANCEL_TIMEOUT_S)):
                 cancel_on_engine(self.url, self.request_id, llm=self.llm)
             finished = self._ended.wait(CANCEL_TIMEOUT_S)
-        client.stop_stream(cancel_requests=not finished)
+        client.stop_stream(cancel_requests=not finished)  # mmserve.triton_seam STREAM_HALF_CLOSE
         client.close()
 
     def _on_answer(self, result: Any, error: Any) -> None:
@@ -480,7 +480,9 @@ def cancel_on_engine(url: str, request_id: str, *, llm: str = LLM, timeout: floa
         return False
     finally:
         with contextlib.suppress(Exception):
-            client.stop_stream(cancel_requests=True)
+            # Half-closed once answered: a stream cancelled after its request ended can keep its
+            # model loaded for good (mmserve.triton_seam STREAM_HALF_CLOSE).
+            client.stop_stream(cancel_requests=not answered.is_set())
             client.close()
 
 

@@ -54,14 +54,20 @@ def drain(url: str, grace_s: float = GRACE_S, *, llm: str = LLM, answer_margin_s
     except Exception:  # noqa: BLE001 - a server that can't be asked has nothing to drain
         return False
     finally:
-        # Closing the stream waits for the server to end it: seconds on a loaded server (5 s seen),
-        # which are not the drain's; the stop that follows has its own budget.
-        threading.Thread(target=_close, args=(client,), name="mmserve-drain-close", daemon=True).start()
+        # The stream is closed before the server is signalled, and half-closed, not cancelled, once
+        # answered (mmserve.triton_seam STREAM_HALF_CLOSE): an open stream, or one cancelled after
+        # its request ended, can keep mm_llm loaded through the whole stop. A close that takes
+        # longer than answer_margin_s (a loaded server) goes on in the background.
+        closer = threading.Thread(
+            target=_close, args=(client, not answered.is_set()), name="mmserve-drain-close", daemon=True
+        )
+        closer.start()
+        closer.join(answer_margin_s)
 
 
-def _close(client: Any) -> None:
+def _close(client: Any, cancel: bool) -> None:
     try:
-        client.stop_stream(cancel_requests=True)
+        client.stop_stream(cancel_requests=cancel)
         client.close()
     except Exception:  # noqa: BLE001 - the server may be gone already
         pass

@@ -129,6 +129,7 @@ class TritonPythonModel:
         return None
 
     def _drain(self, grace_s, sink):
+        logger.info("draining: %d request(s) in flight get %.1f s", self.service.in_flight(), grace_s)
         ended = self.service.drain(grace_s)
         logger.info("drained: %d request(s) ended UNAVAILABLE after the %.1f-s grace period", ended, grace_s)
         # A request the drain did not end (none should be left) would hold the model loaded.

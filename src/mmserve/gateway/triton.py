@@ -169,6 +169,9 @@ class _Broken:
         self.error = error
 
 
+CLOSE_TIMEOUT_S = 2.0
+"""At the gateway's stop, how long a half-closed stream may take to end before it is cancelled."""
+
 STREAMS = 4
 """How many long-lived streams the gateway spreads its requests over (``--triton-streams``)."""
 
@@ -207,12 +210,17 @@ class _Stream:
             if (queue := pending.get(request_id)) is not None:
                 queue.put_nowait(_Broken(failure))
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Half-close the stream and give Triton ``timeout_s`` to end it (once its requests are
+        done); cancel it only if it has not (mmserve.triton_seam STREAM_HALF_CLOSE)."""
         self.open = False
         self._outgoing.put_nowait(None)
-        self._call.cancel()
         with contextlib.suppress(BaseException):
-            await self._reader
+            await asyncio.wait_for(asyncio.shield(self._reader), timeout_s)
+        if not self._reader.done():
+            self._call.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reader
 
 
 class TritonBackend:
@@ -262,8 +270,7 @@ class TritonBackend:
 
     async def close(self) -> None:
         streams, self._streams = [s for s in self._streams if s is not None], [None] * len(self._streams)
-        for stream in streams:
-            await stream.close()
+        await asyncio.gather(*(stream.close() for stream in streams))
         if self._channel is not None:
             channel, self._channel = self._channel, None
             await channel.close()

@@ -618,12 +618,12 @@ class LLMService:
         whole stop (``--exit-timeout-secs``) until it ends: ``mmserve.drain`` calls this (through
         ``mm_llm``'s ``drain`` control input) before the server is signalled."""
         self._draining.set()
-        if self._idle.wait(max(grace_s, 0.0)):
-            return 0
-        ended = self._end_in_flight()
-        if not self._idle.wait(STOP_WAIT_S):
-            logger.warning("drain: %d request(s) still in flight", self.in_flight())
-        self._outbox.flush(STOP_WAIT_S)
+        ended = 0
+        if not self._idle.wait(max(grace_s, 0.0)):
+            ended = self._end_in_flight()
+            if not self._idle.wait(STOP_WAIT_S):
+                logger.warning("drain: %d request(s) still in flight", self.in_flight())
+        self._outbox.flush(STOP_WAIT_S)  # the final responses queued are sent: every request is answered
         return ended
 
     def _end_in_flight(self) -> int:
