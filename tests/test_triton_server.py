@@ -8,6 +8,7 @@ One module-scoped server serves two models written into a temporary repository:
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import queue
@@ -354,7 +355,8 @@ def test_an_open_stream_holds_its_model_until_half_closed(server: TritonServer) 
         assert _unloaded_within(http, "repeat", 10), _repository_state(http, "repeat")
     finally:
         stream.close()
-        http.load_model("repeat")
+        with contextlib.suppress(Exception):  # the test's own failure, if any, stays the one shown
+            http.load_model("repeat")
         http.close()
 
 

@@ -69,16 +69,44 @@ class PatchNormalization:
         return values.reshape(rows, self.patch_dim)
 
 
-def _check_patch_rows(field: str, rows: int, grid: Any) -> None:
-    """``rows`` patches are what ``image_grid_thw`` (``grid``) says: the sum of t*h*w."""
+def _check_patch_rows(field: str, rows: int, grid: Any, modality: str = "image") -> None:
+    """``rows`` patches are what the ``{modality}_grid_thw`` (``grid``) says: the sum of t*h*w."""
     expected = int(grid.prod(-1).sum())
     if rows != expected:
         raise ProcessedInputError(
-            "image",
+            modality,
             field=field,
-            expected=f"{expected} patches (sum of t*h*w over image_grid_thw)",
+            expected=f"{expected} patches (sum of t*h*w over {modality}_grid_thw)",
             found=f"{rows} rows",
         )
+
+
+def _check_grid(modality: str, grid: Any, merge: int, *, single_frame: bool) -> None:
+    """``{modality}_grid_thw``: (items >= 1, 3) of positive (t, h, w), h and w multiples of the
+    spatial merge size; an image is one temporal patch (vLLM's M-RoPE asserts t == 1 for images)."""
+    field = f"{modality}_grid_thw"
+    if grid.shape[1] != 3 or grid.shape[0] == 0:
+        raise ProcessedInputError(
+            modality, field=field, expected=f"shape ({modality}s >= 1, 3)", found=f"shape {tuple(grid.shape)}"
+        )
+    for index, (t, h, w) in enumerate(grid.tolist()):
+        if min(t, h, w) <= 0 or h % merge or w % merge or (single_frame and t != 1):
+            frames = "t = 1 (an image is one temporal patch), " if single_frame else ""
+            raise ProcessedInputError(
+                modality,
+                item=index,
+                field=field,
+                expected=f"{frames}positive (t, h, w) with h and w multiples of spatial_merge_size={merge}",
+                found=f"({t}, {h}, {w})",
+            )
+
+
+def _vision(hf_config: PretrainedConfig) -> tuple[int, int]:
+    """The vision tower's values per patch and spatial merge size."""
+    vision = hf_config.vision_config
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", 3)
+    patch_dim = channels * vision.temporal_patch_size * vision.patch_size**2
+    return patch_dim, vision.spatial_merge_size
 
 
 class QwenVisionImage(ModalitySpec):
@@ -175,32 +203,10 @@ class QwenVisionImage(ModalitySpec):
 
         return decode
 
-    @staticmethod
-    def _vision(hf_config: PretrainedConfig) -> tuple[int, int]:
-        vision = hf_config.vision_config
-        channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", 3)
-        patch_dim = channels * vision.temporal_patch_size * vision.patch_size**2
-        return patch_dim, vision.spatial_merge_size
-
     def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
         pixel_values, grid = data["pixel_values"], data["image_grid_thw"]
-        patch_dim, merge = self._vision(hf_config)
-        if grid.shape[1] != 3 or grid.shape[0] == 0:
-            raise ProcessedInputError(
-                "image",
-                field="image_grid_thw",
-                expected="shape (images >= 1, 3)",
-                found=f"shape {tuple(grid.shape)}",
-            )
-        for index, (t, h, w) in enumerate(grid.tolist()):
-            if min(t, h, w) <= 0 or h % merge or w % merge:
-                raise ProcessedInputError(
-                    "image",
-                    item=index,
-                    field="image_grid_thw",
-                    expected=f"positive (t, h, w) with h and w multiples of spatial_merge_size={merge}",
-                    found=f"({t}, {h}, {w})",
-                )
+        patch_dim, merge = _vision(hf_config)
+        _check_grid("image", grid, merge, single_frame=True)
         if pixel_values.shape[1] != patch_dim:
             raise ProcessedInputError(
                 "image",
@@ -219,11 +225,92 @@ class QwenVisionImage(ModalitySpec):
         }
 
     def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
-        _, merge = self._vision(hf_config)
+        _, merge = _vision(hf_config)
         return int(item["image_grid_thw"].prod()) // merge**2
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"image_grid_thw={item['image_grid_thw'].tolist()}"
+
+
+class QwenVisionVideo(ModalitySpec):
+    """Videos through the Qwen2.5-VL vision tower: frames in temporal patches of
+    ``temporal_patch_size``, as the HF video processor outputs them.
+
+    One video of patch grid (t, h, w) occupies ``t*h*w / spatial_merge_size**2`` placeholder tokens
+    (the HF processor's rule: ``video_grid_thw.prod() // merge_size**2``); ``second_per_grid_ts``
+    (seconds per temporal patch) sets the video's M-RoPE time positions.
+    """
+
+    modality = "video"
+
+    def __init__(self, placeholder_token: str) -> None:
+        self.placeholder_token = placeholder_token
+        self.fields = (
+            FieldSpec(
+                "pixel_values_videos",
+                "float32",
+                ("patches", "patch_dim"),
+                "normalized patches of all videos, flattened as the HF video processor outputs "
+                "them: sum of t*h*w rows, channels*temporal_patch_size*patch_size**2 columns",
+            ),
+            FieldSpec(
+                "video_grid_thw",
+                "int64",
+                ("videos", 3),
+                "patch grid (t, h, w) of each video (t: temporal patches), in prompt order",
+            ),
+            FieldSpec(
+                "second_per_grid_ts",
+                "float32",
+                ("videos",),
+                "seconds per temporal patch of each video (temporal_patch_size / sampled fps)",
+            ),
+        )
+
+    def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
+        pixels, grid, seconds = data["pixel_values_videos"], data["video_grid_thw"], data["second_per_grid_ts"]
+        patch_dim, merge = _vision(hf_config)
+        _check_grid("video", grid, merge, single_frame=False)
+        if pixels.shape[1] != patch_dim:
+            raise ProcessedInputError(
+                "video",
+                field="pixel_values_videos",
+                expected=f"{patch_dim} values per patch (the vision tower's patch size)",
+                found=f"shape {tuple(pixels.shape)}",
+            )
+        _check_patch_rows("pixel_values_videos", pixels.shape[0], grid, "video")
+        if tuple(seconds.shape) != (grid.shape[0],):
+            raise ProcessedInputError(
+                "video",
+                field="second_per_grid_ts",
+                expected=f"shape ({grid.shape[0]},) (one per video of video_grid_thw)",
+                found=f"shape {tuple(seconds.shape)}",
+            )
+        for index, value in enumerate(seconds.tolist()):
+            if not value > 0:  # vLLM reads 0 as "not given" (1 s per patch)
+                raise ProcessedInputError(
+                    "video",
+                    item=index,
+                    field="second_per_grid_ts",
+                    expected="a positive number of seconds",
+                    found=str(value),
+                )
+
+    def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
+        from mmserve.vllm_seam import MultiModalFieldConfig
+
+        return {
+            "pixel_values_videos": MultiModalFieldConfig.flat_from_sizes("video", data["video_grid_thw"].prod(-1)),
+            "video_grid_thw": MultiModalFieldConfig.batched("video"),
+            "second_per_grid_ts": MultiModalFieldConfig.batched("video", keep_on_cpu=True),
+        }
+
+    def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
+        _, merge = _vision(hf_config)
+        return int(item["video_grid_thw"].prod()) // merge**2
+
+    def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
+        return f"video_grid_thw={item['video_grid_thw'].tolist()}"
 
 
 def whisper_output_length(mel_frames: int) -> int:

@@ -1,12 +1,13 @@
-"""Qwen2.5-VL: images through the vision tower, ``<|image_pad|>`` placeholders."""
+"""Qwen2.5-VL: images and videos through the vision tower, ``<|image_pad|>`` and ``<|video_pad|>``
+placeholders."""
 
 from mmserve.families.base import FamilySpec
-from mmserve.families.qwen import QwenVisionImage
+from mmserve.families.qwen import QwenVisionImage, QwenVisionVideo
 
 QWEN2_5_VL = FamilySpec(
     name="qwen2_5_vl",
     stock_architectures=("Qwen2_5_VLForConditionalGeneration",),
     passthrough_architecture="MMServePassthroughQwen2_5_VL",
     vllm_model="vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
-    modalities=(QwenVisionImage("<|image_pad|>"),),
+    modalities=(QwenVisionImage("<|image_pad|>"), QwenVisionVideo("<|video_pad|>")),
 )

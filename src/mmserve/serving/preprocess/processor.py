@@ -322,17 +322,17 @@ class Preprocessor:
     def _check_placeholders(
         self, input_ids: np.ndarray, images: Sequence[Image], clips: Sequence[Clip], *, raw_prompt: bool
     ) -> None:
-        given = {"image": len(images), "audio": len(clips)}
+        given = {"image": len(images), "audio": len(clips)}  # preprocess takes no video yet: 0 videos
         for modality, (token, token_id) in self.placeholder_ids.items():
             runs = len(placeholder_runs(input_ids, token_id))
-            if runs == given[modality]:
+            if runs == given.get(modality, 0):
                 continue
             self._blame_item(images, clips)  # e.g. a clip too short for one embedding
             if not raw_prompt:
-                raise RuntimeError(f"the templated prompt has {runs} {token} runs for {given[modality]} item(s)")
+                raise RuntimeError(f"the templated prompt has {runs} {token} runs for {given.get(modality, 0)} item(s)")
             raise PreprocessError(
                 f"text_input: {runs} {token} placeholder(s) in the prompt, "
-                f"but {given[modality]} {modality} item(s) given"
+                f"but {given.get(modality, 0)} {modality} item(s) given"
             )
 
     # -- the whole step ------------------------------------------------------------------------

@@ -1,0 +1,127 @@
+"""Videos through the pass-through processor (Qwen2.5-VL): the family's counting rule against the HF
+processor's own expansion, the validation of processed video tensors, and greedy tokens of vLLM on
+the HF processor's video tensors against HF transformers on the raw frames."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from utils import ENGINE_ARGS, Request, greedy, processed
+
+FAMILY = "qwen2_5_vl"
+CASES = {"one_video": ["video"], "two_videos": ["video", "video"], "image_and_video": ["image", "video"]}
+
+
+def sample_video(seed: int, frames: int = 4, size: tuple[int, int] = (112, 84)) -> np.ndarray:
+    """``frames`` RGB frames (T, H, W, 3) of smooth random colour, seeded."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    base = rng.integers(0, 255, (1, h, w, 3)).astype(np.int16)
+    drift = rng.integers(-20, 20, (frames, 1, 1, 3)).cumsum(0)
+    return np.clip(base + drift, 0, 255).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    from mmserve_dev.hf_reference import HFReference
+
+    return HFReference(FAMILY, tiny_models[FAMILY])
+
+
+def make_video_request(reference, name: str, parts: list[str], seed: int) -> tuple[Request, list[np.ndarray]]:
+    from mmserve_dev.hf_reference import chat_prompt
+    from mmserve_dev.samples import sample_image
+
+    images = [sample_image(seed + 10 * i, size=(112, 84)) for i, p in enumerate(parts) if p == "image"]
+    videos = [sample_video(seed + 10 * i, frames=4 + 2 * (i % 2)) for i, p in enumerate(parts) if p == "video"]
+    text = chat_prompt(FAMILY, reference.processor, [*parts, "text:What happens?"])
+    request = Request(name, text, images, [])
+    request.hf_inputs = reference.processor(
+        text=[text], images=images or None, videos=videos or None, return_tensors="pt"
+    )
+    return request, videos
+
+
+def test_video_counting_rule_matches_hf_expansion(reference):
+    """Each video's expected count (``video_grid_thw.prod() // merge**2``) is the run of
+    ``<|video_pad|>`` the HF processor wrote for it, next to images."""
+    from mmserve.families import get_family
+    from mmserve.inputs import processed_multi_modal_data
+    from mmserve.passthrough.items import ProcessedItems
+    from mmserve.passthrough.placeholders import placeholder_runs
+
+    family = get_family(FAMILY)
+    vocab = reference.processor.tokenizer.get_vocab()
+    for name, parts in CASES.items():
+        request, _ = make_video_request(reference, name, parts, seed=3)
+        ids = request.hf_inputs["input_ids"][0].tolist()
+        data = processed_multi_modal_data(family, request.hf_inputs)
+        assert set(data) == set(parts), name
+        for modality, fields in data.items():
+            spec = family.modality(modality)
+            assert spec is not None
+            items = ProcessedItems(fields, spec, reference.model.config)
+            runs = placeholder_runs(ids, vocab[spec.placeholder_token])
+            assert [n for _, n in runs] == items.expected_tokens(), name
+            assert len(items) == parts.count(modality)
+
+
+def test_bad_video_tensors_are_named(reference):
+    """Processed videos are validated before the engine: what is wrong, in which field and item."""
+    import torch
+
+    from mmserve.errors import ProcessedInputError
+    from mmserve.families import get_family
+    from mmserve.passthrough.items import ProcessedItems
+
+    family = get_family(FAMILY)
+    video, image = family.modality("video"), family.modality("image")
+    assert video is not None and image is not None
+    request, _ = make_video_request(reference, "two", ["video", "video"], seed=4)
+    good = {k: request.hf_inputs[k] for k in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")}
+    config = reference.model.config
+    ProcessedItems(good, video, config)  # the HF processor's own output passes
+
+    def refused(change: dict, spec=video, base=good) -> str:
+        with pytest.raises(ProcessedInputError) as failure:
+            ProcessedItems({**base, **change}, spec, config)
+        return str(failure.value)
+
+    assert "second_per_grid_ts" in refused({"second_per_grid_ts": torch.tensor([0.5])})
+    assert "positive number of seconds" in refused({"second_per_grid_ts": torch.tensor([0.5, 0.0])})
+    assert "item 1" in refused({"second_per_grid_ts": torch.tensor([0.5, -1.0])})
+    assert "NaN/Inf" in refused({"second_per_grid_ts": torch.tensor([0.5, float("nan")])})
+    rows = good["pixel_values_videos"].shape[0]
+    assert f"{rows - 1} rows" in refused({"pixel_values_videos": good["pixel_values_videos"][:-1]})
+    grid = good["video_grid_thw"].clone()
+    grid[1, 1] += 1  # h not a multiple of the merge size
+    assert "multiples of spatial_merge_size" in refused({"video_grid_thw": grid})
+    # An image is one temporal patch: vLLM's M-RoPE asserts it (in the engine) for image grids.
+    pixels = torch.zeros(2 * 4 * 4, good["pixel_values_videos"].shape[1])
+    message = refused({"pixel_values": pixels, "image_grid_thw": torch.tensor([[2, 4, 4]])}, spec=image, base={})
+    assert "t = 1 (an image is one temporal patch)" in message and "(2, 4, 4)" in message
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models):
+    from mmserve.engine import EngineRunner
+
+    with EngineRunner(str(tiny_models[FAMILY]), **ENGINE_ARGS) as runner:
+        yield runner
+
+
+@pytest.mark.engine
+def test_video_parity_with_hf(engine, reference):
+    """Greedy tokens of vLLM fed the HF processor's video tensors and expanded ids (the pass-through)
+    equal HF transformers' on the same processor output, for one video, two videos of different
+    lengths, and an image with a video."""
+    import torch
+
+    for name, parts in CASES.items():
+        request, _ = make_video_request(reference, name, parts, seed=5)
+        with torch.no_grad():
+            out = reference.model.generate(**request.hf_inputs, max_new_tokens=12, do_sample=False)
+        expected = out[0, request.hf_inputs["input_ids"].shape[1] :].tolist()
+        got = engine.generate_sync(processed(FAMILY, request), greedy(12)).outputs[0].token_ids
+        assert list(got) == expected, f"{name}: vLLM on processed video != HF"
