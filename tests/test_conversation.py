@@ -174,9 +174,9 @@ BAD = [
     ),
     ([{"role": "user", "content": [{"text": "x"}]}], {}, "messages[0].content[0]: missing type"),
     (
-        [{"role": "user", "content": [{"type": "video"}]}],
+        [{"role": "user", "content": [{"type": "movie"}]}],
         {},
-        "messages[0].content[0]: unknown type \"video\" (expected 'text', 'image' or 'audio')",
+        "messages[0].content[0]: unknown type \"movie\" (expected 'text', 'image', 'audio' or 'video')",
     ),
     ([{"role": "user", "content": [{"type": "text"}]}], {}, "messages[0].content[0]: missing text"),
     (

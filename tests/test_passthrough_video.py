@@ -1,13 +1,14 @@
-"""Videos through the pass-through processor (Qwen2.5-VL): the family's counting rule against the HF
+"""Videos (Qwen2.5-VL): ``preprocess`` decoding video files into what the HF processor makes of their
+frames, its refusals of bad and oversized videos, the family's counting rule against the HF
 processor's own expansion, the validation of processed video tensors, and greedy tokens of vLLM on
-the HF processor's video tensors against HF transformers on the raw frames."""
+the processed videos against HF transformers on the frames."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from utils import ENGINE_ARGS, Request, greedy, processed
+from utils import ENGINE_ARGS, Request, greedy, processed, rejects
 
 FAMILY = "qwen2_5_vl"
 CASES = {"one_video": ["video"], "two_videos": ["video", "video"], "image_and_video": ["image", "video"]}
@@ -20,6 +21,32 @@ def sample_video(seed: int, frames: int = 4, size: tuple[int, int] = (112, 84)) 
     base = rng.integers(0, 255, (1, h, w, 3)).astype(np.int16)
     drift = rng.integers(-20, 20, (frames, 1, 1, 3)).cumsum(0)
     return np.clip(base + drift, 0, 255).astype(np.uint8)
+
+
+FPS = 12
+
+
+def encode_video(frames: np.ndarray, fps: int = FPS) -> bytes:
+    """A lossless video file (PNG frames in MOV): decoding gives back exactly ``frames``."""
+    import io
+
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mov") as container:
+        stream = container.add_stream("png", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "rgb24"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def preprocessor(tiny_models):
+    from mmserve.serving.preprocess import Preprocessor
+
+    return Preprocessor(tiny_models[FAMILY])
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +68,87 @@ def make_video_request(reference, name: str, parts: list[str], seed: int) -> tup
         text=[text], images=images or None, videos=videos or None, return_tensors="pt"
     )
     return request, videos
+
+
+def hf_on_frames(reference, text: str, images: list, videos: list[np.ndarray]):
+    """The HF processor on the original frames, told their frame rate (the independent reference)."""
+    metadata = [
+        {"total_num_frames": len(v), "fps": float(FPS), "width": v.shape[2], "height": v.shape[1]} for v in videos
+    ]
+    return reference.processor(
+        text=[text], images=images or None, videos=videos, video_metadata=metadata, return_tensors="np"
+    )
+
+
+def test_preprocess_gives_what_the_hf_processor_makes_of_the_frames(preprocessor, reference):
+    """A video file through ``preprocess`` (text_input, and a conversation with an image before the
+    video) = the HF processor on the frames the file was made from: ids and every video tensor."""
+    from mmserve_dev.hf_reference import chat_prompt
+    from mmserve_dev.samples import encode_image, sample_image
+
+    video = sample_video(7, frames=6)
+    got = preprocessor.decode_wire(preprocessor("What happens?", videos=[encode_video(video)]))
+    want = hf_on_frames(
+        reference, chat_prompt(FAMILY, reference.processor, ["video", "text:What happens?"]), [], [video]
+    )
+    np.testing.assert_array_equal(got["input_ids"], want["input_ids"][0])
+    for name in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):  # in the contract's dtypes
+        np.testing.assert_array_equal(got[name], np.asarray(want[name], got[name].dtype), err_msg=name)
+    assert got["second_per_grid_ts"].tolist() == pytest.approx([2 / FPS])  # temporal_patch_size / the file's fps
+
+    image = sample_image(3, size=(112, 84))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "And?"}]}]
+    import json
+
+    got = preprocessor.decode_wire(
+        preprocessor(None, [encode_image(image)], messages=json.dumps(messages), videos=[encode_video(video)])
+    )
+    text = chat_prompt(FAMILY, reference.processor, ["image", "video", "text:And?"])
+    want = hf_on_frames(reference, text, [image], [video])
+    np.testing.assert_array_equal(got["input_ids"], want["input_ids"][0])
+    for name in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_bad_and_oversized_videos_are_refused_by_name(preprocessor, tiny_models):
+    """Every refusal names the video and what is wrong, before its frames are decoded where the file
+    declares it (frame size, length), else as soon as a frame is over."""
+    import io
+    import json
+
+    import soundfile
+
+    from mmserve.serving.preprocess import PreprocessLimits, Preprocessor
+
+    data = encode_video(sample_video(1, frames=6))  # 112x84, 6 frames at 12 fps: 0.5 s
+    rejects(lambda: preprocessor("x", videos=[b"not a video"]), "video[0]: cannot decode 11 bytes as a video")
+    wav = io.BytesIO()
+    soundfile.write(wav, np.zeros(1600, np.float32), 16000, format="WAV")
+    rejects(lambda: preprocessor("x", videos=[wav.getvalue()]), "video[0]: no video stream in")
+    rejects(lambda: preprocessor("x", videos=[data[: len(data) // 2]]), "video[0]: ")
+    limited = preprocessor.with_settings
+    rejects(
+        lambda: limited(limits=PreprocessLimits(max_video_frames=3))("x", videos=[data]),
+        "video[0]: more than 3 frames (max_video_frames",
+    )
+    rejects(
+        lambda: limited(limits=PreprocessLimits(max_video_frame_pixels=1000))("x", videos=[data]),
+        "video[0]: frames of 9408 pixels (112x84) exceed the limit of 1000 (max_video_frame_pixels)",
+    )
+    rejects(
+        lambda: limited(limits=PreprocessLimits(max_video_seconds=0.25))("x", videos=[data]),
+        "video[0]: 0.50 s exceeds the limit of 0.25 s (max_video_seconds)",
+    )
+    rejects(
+        lambda: preprocessor("x", videos=[data, data]),
+        "video: 2 videos exceed the limit of 1 per request (max_videos)",
+    )
+    rejects(
+        lambda: preprocessor(None, messages=json.dumps([{"role": "user", "content": [{"type": "video"}]}])),
+        "messages: 1 video part but 0 videos given",
+    )
+    omni = Preprocessor(tiny_models["qwen2_5_omni"])
+    rejects(lambda: omni("x", videos=[data]), "video: the qwen2_5_omni model takes no video")
 
 
 def test_video_counting_rule_matches_hf_expansion(reference):
@@ -125,3 +233,23 @@ def test_video_parity_with_hf(engine, reference):
         expected = out[0, request.hf_inputs["input_ids"].shape[1] :].tolist()
         got = engine.generate_sync(processed(FAMILY, request), greedy(12)).outputs[0].token_ids
         assert list(got) == expected, f"{name}: vLLM on processed video != HF"
+
+
+@pytest.mark.engine
+def test_a_video_file_through_preprocess_gives_hf_tokens(engine, reference, preprocessor):
+    """The whole preprocessing of a video file (decode, processor, wire) then the engine = HF
+    transformers on the frames the file was made from."""
+    import torch
+
+    from mmserve.families import get_family
+    from mmserve.inputs import processed_prompt
+    from mmserve_dev.hf_reference import chat_prompt
+
+    video = sample_video(11, frames=6)
+    tensors = preprocessor.decode_wire(preprocessor("What happens?", videos=[encode_video(video)]))
+    hf = hf_on_frames(reference, chat_prompt(FAMILY, reference.processor, ["video", "text:What happens?"]), [], [video])
+    with torch.no_grad():
+        out = reference.model.generate(**hf.convert_to_tensors("pt"), max_new_tokens=12, do_sample=False)
+    expected = out[0, hf["input_ids"].shape[1] :].tolist()
+    prompt = processed_prompt(get_family(FAMILY), tensors["input_ids"], tensors)
+    assert list(engine.generate_sync(prompt, greedy(12)).outputs[0].token_ids) == expected

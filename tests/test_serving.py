@@ -196,7 +196,7 @@ def test_parse_request_groups_tensors_by_modality():
         parse_request(get_family("qwen2_5_omni"), lambda name: None)
     # Video tensors: grouped for Qwen2.5-VL (next to empty image and audio tensors, as preprocess sends
     # them), refused by name for a family without video.
-    video = {
+    video: dict[str, np.ndarray] = {
         "input_ids": np.arange(10, dtype=np.int64),
         "pixel_values": np.zeros((0, 0), np.float32),
         "input_features": np.zeros((0, 0, 0), np.float32),

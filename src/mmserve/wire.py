@@ -65,7 +65,7 @@ MESSAGES = TensorSpec(
     "object",
     (1,),
     "a whole conversation instead of text_input: a UTF-8 JSON "
-    "array of chat messages whose media parts refer, in order, to image and the audio clips "
+    "array of chat messages whose media parts refer, in order, to image, video and the audio clips "
     "(docs/tensors.md)",
 )
 RAW_MEDIA_INPUTS: tuple[TensorSpec, ...] = (
@@ -75,7 +75,10 @@ RAW_MEDIA_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("audio_sample_rate", "int32", (1,), "audio_pcm's sample rate in Hz; required with it"),
     _flag("apply_chat_template", "wrap text_input in the model's chat template (default true)"),
 )
-PREPROCESS_INPUTS: tuple[TensorSpec, ...] = (TEXT_INPUT, *RAW_MEDIA_INPUTS, MESSAGES)
+VIDEO = TensorSpec(
+    "video", "object", ("videos",), "encoded video files (MP4, MOV, WebM, MKV) or data: URLs; models with video only"
+)
+PREPROCESS_INPUTS: tuple[TensorSpec, ...] = (TEXT_INPUT, *RAW_MEDIA_INPUTS, MESSAGES, VIDEO)
 """What ``preprocess`` takes: one raw request (a prompt in ``text_input``, or a conversation in ``messages``)."""
 
 STREAM = _flag("stream", "one response per generated delta (default false: one response)")

@@ -2,7 +2,7 @@
 
 Contract
 --------
-``Preprocessor(model)(text, images, audios, pcm, apply_chat_template=True, messages=None)`` returns
+``Preprocessor(model)(text, images, audios, pcm, apply_chat_template=True, messages=None, videos=())`` returns
 ``input_ids`` (chat template applied, every media placeholder expanded) and every feature tensor of
 ``mmserve.serving.contract``, as numpy arrays; a modality without media gives a zero-item tensor.
 
@@ -13,10 +13,13 @@ Contract
 * ``audios``: encoded files (WAV, FLAC, OGG, MP3), mixed down to mono, resampled to the feature
   extractor's rate.
 * ``pcm``: ``(samples, sample_rate)`` pairs of mono float PCM; they follow ``audios`` in the prompt.
+* ``videos``: encoded files (MP4, MOV, WebM, MKV: PyAV's FFmpeg), for families with video; every
+  frame decoded as RGB and given to the processor with the file's frame rate (it samples them and
+  times the video by it); in the user turn after the images.
 * ``messages``: a whole conversation instead of ``text`` (which must then be empty, and
   ``apply_chat_template`` true): UTF-8 JSON (``str`` or ``bytes``), an array of
   ``{"role": "system"|"user"|"assistant", "content": <string> | [<part>, ...]}`` with parts
-  ``{"type": "text", "text": <string>}``, ``{"type": "image"}``, ``{"type": "audio"}``. No other key
+  ``{"type": "text", "text": <string>}``, ``{"type": "image"}``, ``{"type": "audio"}``, ``{"type": "video"}``. No other key
   is accepted anywhere (the chat templates read any ``image``/``audio``/``text`` key as a part of
   that kind); media parts only in user messages; an array content is non-empty; the last message
   is the user's (the prompt ends with the generation prompt: the model answers it). The media
@@ -49,6 +52,13 @@ parameter                    default             what it bounds
                                                  longer clip is rejected, never silently cut; a value
                                                  above the window is refused when the model loads
 ``max_total_audio_seconds``  60                  all clips of a request together
+``max_videos``               the engine's        videos per request (families with video); default and
+                                                 ceiling: ``limit_mm_per_prompt`` (1 when it has none); 0
+                                                 refuses video
+``max_video_seconds``        60                  one video, as its stream declares it, then as decoded
+``max_video_frames``         256                 frames decoded per video (decoding stops past it)
+``max_video_frame_pixels``   2073600 (1080p)     width*height of a frame, from the stream's header first,
+                                                 then per decoded frame
 ``max_prompt_tokens``        32768               ``input_ids`` after expansion (template, text, media
                                                  placeholders): bounds one request's work and tensors. The
                                                  engine still checks its own ``max_model_len`` (4096 in
@@ -86,7 +96,7 @@ writes the whole prompt on purpose, placeholders included, and it is used as it 
 Modules
 -------
 ``limits`` (``PreprocessLimits``, ``PreprocessError``, torch threads per instance), ``messages``
-(the conversation), ``media`` (image and audio decoding with their guards), ``escaping`` (control
+(the conversation), ``media`` (image, audio and video decoding with their guards), ``escaping`` (control
 tokens), ``processor`` (``Preprocessor``: the whole step), ``request`` (a request's Triton tensors).
 """
 

@@ -18,6 +18,11 @@ class PreprocessError(InputError):
     """A request the preprocessing cannot turn into model inputs (bad media, bad prompt, a limit)."""
 
 
+ITEM_COUNTS = {"max_images": "image", "max_audio_clips": "audio", "max_videos": "video"}
+"""The limits on items per request, by modality: the engine's ``limit_mm_per_prompt`` is their
+default and ceiling."""
+
+
 @dataclass(frozen=True)
 class PreprocessLimits:
     """Bounds on one request; each field is also a config.pbtxt parameter of the same name.
@@ -34,6 +39,10 @@ class PreprocessLimits:
     max_total_audio_seconds: float = 60.0
     max_prompt_tokens: int = 32_768
     max_messages: int = 64
+    max_videos: int = 1
+    max_video_seconds: float = 60.0
+    max_video_frames: int = 256
+    max_video_frame_pixels: int = 2_073_600
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -41,8 +50,10 @@ class PreprocessLimits:
             if value is None and field.name == "max_audio_seconds":
                 continue
             kind = int if field.type == "int" else (int, float)
-            if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+            least = 0 if field.name == "max_videos" else 1  # 0 videos: video refused (the engine's limit 0)
+            if isinstance(value, bool) or not isinstance(value, kind) or not (value > 0 or value == least == 0):
                 expected = "a positive integer" if kind is int else "a positive number"
+                expected = "an integer >= 0" if least == 0 else expected
                 raise ValueError(f"{field.name}: expected {expected}, found {value!r}")
             if not math.isfinite(value):
                 raise ValueError(f"{field.name}: expected a finite number, found {value!r}")
@@ -69,7 +80,7 @@ class PreprocessLimits:
             except ValueError:
                 kind = "a number of seconds" if seconds else "an integer"
                 raise ValueError(f"parameter {field.name}: expected {kind}, found {text!r}") from None
-        for name, modality in (("max_images", "image"), ("max_audio_clips", "audio")):
+        for name, modality in ITEM_COUNTS.items():
             engine = (engine_mm_limits or {}).get(modality)
             if engine is None:
                 continue

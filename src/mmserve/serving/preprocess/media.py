@@ -1,6 +1,7 @@
 """Media elements -> what the HF processor takes: images as RGB, audio as mono float32 at the
-feature extractor's rate. Untrusted bytes meet only the decoders named here, and every size is
-checked before the pixels or samples are decoded."""
+feature extractor's rate, videos as RGB frames with their frame rate. Untrusted bytes meet only the
+decoders named here, and every size is checked before the pixels or samples are decoded (for a
+video: its declared frame size and length, then every frame as it comes)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,31 @@ IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 """The only image decoders ever tried (no EPS/Ghostscript, no exotic plugins on untrusted bytes)."""
 MAX_SAMPLE_RATE = 768_000
 """Highest accepted sample rate (Hz) of an audio clip."""
+MAX_VIDEO_FPS = 1000.0
+"""Highest accepted frame rate of a video (a file declaring more is refused)."""
+
+
+VIDEO_FORMATS = "MP4/MOV/WebM/MKV"
+"""What ``video`` elements are (any container and codec the bundled FFmpeg of PyAV decodes)."""
+
+
+@dataclass
+class Video:
+    """One decoded video: RGB frames (frames, height, width, 3) uint8 and what the processor needs
+    of its metadata."""
+
+    label: str  # "video[0]"
+    frames: np.ndarray
+    fps: float
+
+    @property
+    def seconds(self) -> float:
+        return len(self.frames) / self.fps
+
+    def metadata(self) -> dict[str, Any]:
+        """transformers' ``VideoMetadata`` fields: the processor samples frames and times the video by them."""
+        frames, height, width, _ = self.frames.shape
+        return {"total_num_frames": frames, "fps": self.fps, "width": width, "height": height}
 
 
 @dataclass
@@ -97,6 +123,65 @@ class MediaDecoder:
             raise PreprocessError(
                 f"{what}: {width * height} pixels ({width}x{height}) exceeds the limit of {limit} (max_image_pixels)"
             )
+
+    # -- video ---------------------------------------------------------------------------------
+    def video(self, index: int, data: bytes | str) -> Video:
+        """``video[index]``'s frames as RGB, within ``max_video_frame_pixels`` (declared, then per
+        frame), ``max_video_seconds`` (declared, then by the frames decoded) and
+        ``max_video_frames`` (decoding stops one frame past it)."""
+        import av
+
+        what = f"video[{index}]"
+        payload = _payload(what, data)
+        try:
+            with av.open(io.BytesIO(payload), mode="r") as container:
+                if not container.streams.video:
+                    raise PreprocessError(f"{what}: no video stream in {len(payload)} bytes (an audio-only file?)")
+                stream = container.streams.video[0]
+                self._check_frame_pixels(what, stream.codec_context.width, stream.codec_context.height)
+                rate = stream.average_rate or stream.guessed_rate
+                fps = float(rate) if rate else 0.0
+                if not 0 < fps <= MAX_VIDEO_FPS:
+                    raise PreprocessError(f"{what}: expected a frame rate in (0, {MAX_VIDEO_FPS}] fps, found {fps:g}")
+                declared = float(stream.duration * stream.time_base) if stream.duration and stream.time_base else 0.0
+                if declared > self.limits.max_video_seconds:
+                    self._video_too_long(what, declared)
+                frames: list[np.ndarray] = []
+                for frame in container.decode(stream):
+                    self._check_frame_pixels(what, frame.width, frame.height)
+                    if len(frames) == self.limits.max_video_frames:
+                        raise PreprocessError(
+                            f"{what}: more than {self.limits.max_video_frames} frames "
+                            f"(max_video_frames; sample the video down before sending it)"
+                        )
+                    frames.append(frame.to_ndarray(format="rgb24"))
+                    if len(frames) / fps > self.limits.max_video_seconds:
+                        self._video_too_long(what, None)
+        except (PreprocessError, MemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - any decoder failure on untrusted bytes is the client's
+            raise PreprocessError(
+                f"{what}: cannot decode {len(payload)} bytes as a video ({VIDEO_FORMATS}): {exc}"
+            ) from None
+        if not frames:
+            raise PreprocessError(f"{what}: no frame could be decoded from {len(payload)} bytes")
+        if len({f.shape for f in frames}) > 1:
+            raise PreprocessError(f"{what}: frames of different sizes ({sorted({f.shape[:2] for f in frames})[:3]})")
+        return Video(what, np.stack(frames), fps)
+
+    def _check_frame_pixels(self, what: str, width: int, height: int) -> None:
+        limit = self.limits.max_video_frame_pixels
+        if width * height > limit:
+            raise PreprocessError(
+                f"{what}: frames of {width * height} pixels ({width}x{height}) exceed the limit of {limit} "
+                "(max_video_frame_pixels)"
+            )
+
+    def _video_too_long(self, what: str, seconds: float | None) -> NoReturn:
+        length = "the video" if seconds is None else f"{seconds:.2f} s"
+        raise PreprocessError(
+            f"{what}: {length} exceeds the limit of {self.limits.max_video_seconds:g} s (max_video_seconds)"
+        )
 
     # -- audio ---------------------------------------------------------------------------------
     def clips(self, audios: Sequence[bytes | str], pcm: Sequence[tuple[np.ndarray, int]]) -> list[Clip]:

@@ -12,8 +12,8 @@ from typing import Any
 from mmserve.serving.preprocess.limits import PreprocessError
 
 ROLES = ("system", "user", "assistant")
-PART_TYPES = ("text", "image", "audio")
-_PART_KEYS = {"text": {"type", "text"}, "image": {"type"}, "audio": {"type"}}
+PART_TYPES = ("text", "image", "audio", "video")
+_PART_KEYS = {"text": {"type", "text"}, "image": {"type"}, "audio": {"type"}, "video": {"type"}}
 BYTES_LIKE = (bytes, bytearray)
 
 
@@ -35,15 +35,21 @@ class Conversation:
     texts: list[Text]  # every text, in order
     images: int  # image parts
     audios: int  # audio parts
+    videos: int = 0  # video parts
 
 
-def user_turn(text: str, num_images: int, num_audios: int) -> Conversation:
-    """One user turn: the images, then the audio clips, then the text (``text_input``'s layout)."""
+def user_turn(text: str, num_images: int, num_audios: int, num_videos: int = 0) -> Conversation:
+    """One user turn: the images, the videos, the audio clips, then the text (``text_input``'s layout)."""
     content: list[dict[str, Any]] = [{"type": "image"}] * num_images
+    content += [{"type": "video"}] * num_videos
     content += [{"type": "audio"}] * num_audios
     content.append({"type": "text", "text": text})
     return Conversation(
-        [{"role": "user", "content": content}], [Text("text_input", 0, len(content) - 1, text)], num_images, num_audios
+        [{"role": "user", "content": content}],
+        [Text("text_input", 0, len(content) - 1, text)],
+        num_images,
+        num_audios,
+        num_videos,
     )
 
 
@@ -87,7 +93,7 @@ def parse_messages(raw: str | bytes, *, max_messages: int) -> Conversation:
         raise PreprocessError(f"messages: {len(value)} messages exceed the limit of {max_messages} (max_messages)")
     messages: list[dict[str, Any]] = []
     texts: list[Text] = []
-    counts = {"image": 0, "audio": 0}
+    counts = {"image": 0, "audio": 0, "video": 0}
     for i, message in enumerate(value):
         where = f"messages[{i}]"
         role = _role(where, message)
@@ -128,14 +134,15 @@ def parse_messages(raw: str | bytes, *, max_messages: int) -> Conversation:
             f"messages[{len(messages) - 1}]: the conversation must end with a user message, found "
             f"{_a(messages[-1]['role'])} message (the model answers the last user message)"
         )
-    return Conversation(messages, texts, counts["image"], counts["audio"])
+    return Conversation(messages, texts, counts["image"], counts["audio"], counts["video"])
 
 
-def check_media_counts(conversation: Conversation, num_images: int, num_clips: int) -> None:
+def check_media_counts(conversation: Conversation, num_images: int, num_clips: int, num_videos: int = 0) -> None:
     """The conversation's media parts match the media the request carries."""
     for parts, given, noun, clip_note in (
         (conversation.images, num_images, "image", ""),
         (conversation.audios, num_clips, "audio clip", " (audio, then audio_pcm)"),
+        (conversation.videos, num_videos, "video", ""),
     ):
         if parts != given:
             kind = noun.split()[0]
@@ -167,7 +174,7 @@ def _part_type(at: str, part: Any) -> str:
         raise PreprocessError(f"{at}: missing type")
     kind = part["type"]
     if not isinstance(kind, str) or kind not in PART_TYPES:
-        raise PreprocessError(f"{at}: unknown type {_shown(kind)} (expected 'text', 'image' or 'audio')")
+        raise PreprocessError(f"{at}: unknown type {_shown(kind)} (expected 'text', 'image', 'audio' or 'video')")
     extra = sorted(set(part) - _PART_KEYS[kind])
     if extra:
         allowed = " and ".join(sorted(_PART_KEYS[kind]))

@@ -25,7 +25,7 @@ from mmserve.passthrough.placeholders import placeholder_runs
 from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS, empty_feature
 from mmserve.serving.preprocess.escaping import CONTROL_TOKEN_POLICIES, ControlTokenPolicy, ControlTokens, Run
 from mmserve.serving.preprocess.limits import PreprocessError, PreprocessLimits
-from mmserve.serving.preprocess.media import Clip, MediaDecoder
+from mmserve.serving.preprocess.media import Clip, MediaDecoder, Video
 from mmserve.serving.preprocess.messages import (
     BYTES_LIKE,
     Conversation,
@@ -144,9 +144,9 @@ class Preprocessor:
         return float(configured)
 
     # -- text ----------------------------------------------------------------------------------
-    def chat_prompt(self, text: str, num_images: int, num_audios: int) -> str:
-        """One user turn: the images, then the audio clips, then the text; generation prompt on."""
-        return self.render(user_turn(text, num_images, num_audios).messages)
+    def chat_prompt(self, text: str, num_images: int, num_audios: int, num_videos: int = 0) -> str:
+        """One user turn: the images, the videos, the audio clips, then the text; generation prompt on."""
+        return self.render(user_turn(text, num_images, num_audios, num_videos).messages)
 
     def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The chat template on ``messages`` (HF form), generation prompt on."""
@@ -167,11 +167,18 @@ class Preprocessor:
         audios: Sequence[bytes | str],
         pcm: Sequence[tuple[np.ndarray, int]],
         messages: str | bytes | None = None,
+        videos: Sequence[bytes | str] = (),
     ) -> None:
         """Modalities, item counts and total size: all before anything is decoded (or parsed)."""
         limits = self.limits
         if images and "image" not in self.modalities:
             raise PreprocessError(f"image: the {self.family.name} model takes no images")
+        if videos and "video" not in self.modalities:
+            raise PreprocessError(f"video: the {self.family.name} model takes no video")
+        if len(videos) > limits.max_videos:
+            raise PreprocessError(
+                f"video: {len(videos)} videos exceed the limit of {limits.max_videos} per request (max_videos)"
+            )
         if (audios or pcm) and "audio" not in self.modalities:
             raise PreprocessError(f"audio: the {self.family.name} model takes no audio")
         if len(images) > limits.max_images:
@@ -188,6 +195,7 @@ class Preprocessor:
         total = text_bytes + sum(_byte_size(f"image[{i}]", item) for i, item in enumerate(images))
         total += 0 if messages is None else _byte_size("messages", messages)
         total += sum(_byte_size(f"audio[{i}]", item) for i, item in enumerate(audios))
+        total += sum(_byte_size(f"video[{i}]", item) for i, item in enumerate(videos))
         total += sum(np.asarray(samples).nbytes for samples, _ in pcm)
         if total > limits.max_request_bytes:
             raise PreprocessError(
@@ -206,16 +214,21 @@ class Preprocessor:
                 f"{limit} (max_prompt_tokens)"
             )
 
-    def _conversation(self, messages: str | bytes, num_images: int, num_clips: int) -> Conversation:
+    def _conversation(self, messages: str | bytes, num_images: int, num_clips: int, num_videos: int) -> Conversation:
         """``messages`` parsed and checked against the request's media (before any decoding)."""
         conversation = parse_messages(messages, max_messages=self.limits.max_messages)
-        check_media_counts(conversation, num_images, num_clips)
+        check_media_counts(conversation, num_images, num_clips, num_videos)
         self._check_text_bytes("messages", sum(len(t.text.encode()) for t in conversation.texts))
         return conversation
 
     # -- the processor -------------------------------------------------------------------------
-    def _run_processor(self, prompt: str, images: Sequence[Image], clips: Sequence[np.ndarray]) -> Mapping[str, Any]:
+    def _run_processor(
+        self, prompt: str, images: Sequence[Image], clips: Sequence[np.ndarray], videos: Sequence[Video] = ()
+    ) -> Mapping[str, Any]:
         kwargs: dict[str, Any] = {"text": [prompt], "return_tensors": "np"}
+        if videos:
+            kwargs["videos"] = [video.frames for video in videos]
+            kwargs["video_metadata"] = [video.metadata() for video in videos]
         for modality, items in (("image", images), ("audio", clips)):
             spec = self.family.modality(modality)
             if items and spec is not None:
@@ -236,12 +249,26 @@ class Preprocessor:
         _, token_id = self.placeholder_ids[modality]
         return int(np.count_nonzero(np.asarray(processed["input_ids"][0]) == token_id))
 
-    def _blame_item(self, images: Sequence[Image], clips: Sequence[Clip]) -> None:
+    def _blame_item(self, images: Sequence[Image], clips: Sequence[Clip], videos: Sequence[Video] = ()) -> None:
         """Raise a ``PreprocessError`` naming the first item the processor rejects on its own."""
         for index, image in enumerate(images):
             self._blame_image(f"image[{index}]", image)
+        for video in videos:
+            self._blame_video(video)
         for clip in clips:
             self._blame_clip(clip)
+
+    def _blame_video(self, video: Video) -> None:
+        frames, height, width, _ = video.frames.shape
+        try:
+            processed = self._run_processor(self.chat_prompt("", 0, 0, 1), [], [], [video])
+        except _PROCESSOR_REJECTIONS as exc:
+            raise PreprocessError(
+                f"{video.label}: {frames} frames of {width}x{height} pixels: the processor rejects it ({exc})"
+            ) from None
+        _, token_id = self.placeholder_ids["video"]
+        if not np.count_nonzero(np.asarray(processed["input_ids"][0]) == token_id):
+            raise PreprocessError(f"{video.label}: {frames} frames of {width}x{height} pixels: no placeholder")
 
     def _blame_image(self, what: str, image: Image) -> None:
         width, height = image.size
@@ -301,15 +328,16 @@ class Preprocessor:
         raw_prompt: bool,
         text_only: Callable[[], str] | None,
         what: str = "text_input",
+        videos: Sequence[Video] = (),
     ) -> Mapping[str, Any]:
         """The processor's output. ``text_only``: the templated text as the processor saw it, without
         the media (None: escaped, the processor never saw it); ``what``: the input holding the text."""
         try:
-            return self._run_processor(prompt, images, [clip.samples for clip in clips])
+            return self._run_processor(prompt, images, [clip.samples for clip in clips], videos)
         except _PROCESSOR_REJECTIONS as exc:
             failure = exc
         # Error path: which part of the request does the processor reject?
-        self._blame_item(images, clips)
+        self._blame_item(images, clips, videos)
         if raw_prompt:  # the caller wrote the prompt, placeholders included
             raise PreprocessError(f"text_input: the processor rejected the prompt and media: {failure}") from None
         if text_only is not None:
@@ -320,14 +348,20 @@ class Preprocessor:
         raise failure  # not the request's fault as far as can be told: an internal error
 
     def _check_placeholders(
-        self, input_ids: np.ndarray, images: Sequence[Image], clips: Sequence[Clip], *, raw_prompt: bool
+        self,
+        input_ids: np.ndarray,
+        images: Sequence[Image],
+        clips: Sequence[Clip],
+        *,
+        raw_prompt: bool,
+        videos: Sequence[Video] = (),
     ) -> None:
-        given = {"image": len(images), "audio": len(clips)}  # preprocess takes no video yet: 0 videos
+        given = {"image": len(images), "audio": len(clips), "video": len(videos)}
         for modality, (token, token_id) in self.placeholder_ids.items():
             runs = len(placeholder_runs(input_ids, token_id))
             if runs == given.get(modality, 0):
                 continue
-            self._blame_item(images, clips)  # e.g. a clip too short for one embedding
+            self._blame_item(images, clips, videos)  # e.g. a clip too short for one embedding
             if not raw_prompt:
                 raise RuntimeError(f"the templated prompt has {runs} {token} runs for {given.get(modality, 0)} item(s)")
             raise PreprocessError(
@@ -345,6 +379,7 @@ class Preprocessor:
         *,
         apply_chat_template: bool = True,
         messages: str | bytes | None = None,
+        videos: Sequence[bytes | str] = (),
     ) -> dict[str, np.ndarray]:
         """``input_ids`` and every feature tensor of the contract, as numpy arrays.
 
@@ -363,12 +398,13 @@ class Preprocessor:
                     "messages: apply_chat_template must not be false when messages is given "
                     "(the model's chat template renders the conversation)"
                 )
-            self._check_request("", images, audios, pcm, messages)
-            conversation = self._conversation(messages, len(images), len(audios) + len(pcm))
+            self._check_request("", images, audios, pcm, messages, videos)
+            conversation = self._conversation(messages, len(images), len(audios) + len(pcm), len(videos))
         else:
-            self._check_request(text, images, audios, pcm)
+            self._check_request(text, images, audios, pcm, videos=videos)
             prompt_text = decode_text(text)
         pil_images = [self.media.image(i, data) for i, data in enumerate(images)]
+        decoded_videos = [self.media.video(i, data) for i, data in enumerate(videos)]
         clips = self.media.clips(audios, pcm)
 
         what = "text_input" if conversation is None else "messages"
@@ -378,7 +414,7 @@ class Preprocessor:
             prompt, runs = self._templated(conversation)
             text_only = functools.partial(self._render_text_only, conversation.messages)
         elif apply_chat_template:
-            prompt, runs = self._templated(user_turn(prompt_text, len(pil_images), len(clips)))
+            prompt, runs = self._templated(user_turn(prompt_text, len(pil_images), len(clips), len(decoded_videos)))
             text_only = functools.partial(self.chat_prompt, prompt_text, 0, 0)
         else:
             prompt = prompt_text
@@ -389,6 +425,7 @@ class Preprocessor:
             raw_prompt=not apply_chat_template,
             text_only=text_only if runs is None else None,
             what=what,
+            videos=decoded_videos,
         )
 
         input_ids = np.asarray(processed["input_ids"][0], dtype=INPUT_IDS.dtype)
@@ -399,7 +436,9 @@ class Preprocessor:
                 f"{what}: the prompt is {input_ids.size} tokens after expansion (template, text and media "
                 f"placeholders), over the limit of {self.limits.max_prompt_tokens} (max_prompt_tokens)"
             )
-        self._check_placeholders(input_ids, pil_images, clips, raw_prompt=not apply_chat_template)
+        self._check_placeholders(
+            input_ids, pil_images, clips, raw_prompt=not apply_chat_template, videos=decoded_videos
+        )
         return {INPUT_IDS.name: input_ids, **self._features(processed)}
 
     def decode_wire(self, outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

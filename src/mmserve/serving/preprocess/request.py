@@ -21,6 +21,7 @@ class PreprocessRequest:
     pcm: list[tuple[np.ndarray, int]] = field(default_factory=list)
     apply_chat_template: bool = True
     messages: str | bytes | None = None
+    videos: list[Any] = field(default_factory=list)
 
     def kwargs(self) -> dict[str, Any]:
         """The fields by name: the call's keyword arguments (no copy of the arrays)."""
@@ -54,6 +55,7 @@ def parse_preprocess_request(get: Callable[[str], np.ndarray | None]) -> Preproc
         pcm=clips,
         apply_chat_template=True if template is None or template.size == 0 else bool(template.reshape(-1)[0]),
         messages=None if messages is None else messages.reshape(-1)[0],
+        videos=_items(get("video")),
     )
 
 
