@@ -217,6 +217,31 @@ def test_audio_url_parts_take_their_place_among_the_clips():
     assert fetched.images == [b"img"]
 
 
+def test_video_url_parts_become_the_video_input():
+    """vLLM's ``video_url`` part (a data: URL of a video file): a video part of the conversation and
+    an item of the ``video`` input, in order; a remote one is fetched only where allowed."""
+    from mmserve.gateway.convert import request_tensors
+    from mmserve.gateway.protocol import ChatCompletionRequest
+
+    def video(data: bytes) -> dict:
+        return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(data)}}
+
+    request = body(user(image(b"img"), video(b"vid0"), {"type": "text", "text": "And?"}, video(b"vid1")))
+    conv = convert_body(request)
+    assert conv.messages == [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "And?"}, {"type": "video"}],
+        }
+    ]
+    assert conv.videos == [b"vid0", b"vid1"] and conv.images == [b"img"] and conv.audios == []
+    [tensors] = request_tensors(ChatCompletionRequest.model_validate(request), conv)
+    assert tensors["video"].tolist() == [b"vid0", b"vid1"] and "audio" not in tensors
+    error = rejected(body(user({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}})))
+    assert (error.code, error.param) == ("remote_media_disabled", "messages[0].content[0].video_url.url")
+    assert "remote video URLs are disabled" in error.message
+
+
 def test_tensors_use_the_messages_input_and_wire_names():
     chat = protocol.parse_request(
         body(
@@ -402,7 +427,7 @@ def test_media_size_limit():
             "only allowed",
         ),
         (body(user("Hi"), frobnicate=1), "frobnicate", "unknown_field", "unknown field"),
-        (body(user({"type": "video_url", "video_url": {"url": "x"}})), "messages[0].content[0]", None, "video_url"),
+        (body(user({"type": "file", "file": {"file_id": "x"}})), "messages[0].content[0]", None, "file"),
         (
             body(user({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "aac"}})),
             "messages[0].content[0].input_audio.format",

@@ -3,8 +3,8 @@
 
 The conversation travels whole in the ``messages`` tensor (UTF-8 JSON, ``preprocess`` applies the
 model's chat template): ``[{"role", "content": str | [{"type": "text", "text"} | {"type": "image"} |
-{"type": "audio"}]}]``; its media parts refer, in order of appearance, to the ``image`` items
-(encoded image files) and the ``audio`` items (encoded audio files), which the gateway decodes from
+{"type": "audio"} | {"type": "video"}]}]``; its media parts refer, in order of appearance, to the
+``image``, ``audio`` and ``video`` items (encoded files), which the gateway decodes from
 the request's base64 (or fetches, for remote URLs when allowed). The media bytes are not decoded
 here: ``preprocess`` checks and decodes them (and answers ``[INVALID_ARG]`` for a bad file).
 """
@@ -29,6 +29,7 @@ from mmserve.gateway.protocol import (
     ImagePart,
     SystemMessage,
     TextPart,
+    VideoURLPart,
 )
 
 Fetch = Callable[[str, str], Awaitable[bytes]]
@@ -42,6 +43,7 @@ class Conversation:
     messages: list[dict[str, Any]]
     images: list[bytes] = field(default_factory=list)
     audios: list[bytes] = field(default_factory=list)
+    videos: list[bytes] = field(default_factory=list)
 
 
 def b64decode(data: str, param: str, what: str) -> bytes:
@@ -129,6 +131,9 @@ async def conversation(
             elif isinstance(part, AudioURLPart):
                 parts.append({"type": "audio"})
                 add(out.audios, part.audio_url.url, f"{where}.audio_url.url", "audio")
+            elif isinstance(part, VideoURLPart):
+                parts.append({"type": "video"})
+                add(out.videos, part.video_url.url, f"{where}.video_url.url", "video")
             elif isinstance(part, AudioPart):
                 parts.append({"type": "audio"})
                 param = f"{where}.input_audio.data"
@@ -220,6 +225,8 @@ def _request_tensors(request: ChatCompletionRequest, conv: Conversation) -> dict
         tensors["image"] = _bytes_array(conv.images)
     if conv.audios:
         tensors["audio"] = _bytes_array(conv.audios)
+    if conv.videos:
+        tensors["video"] = _bytes_array(conv.videos)
     return tensors
 
 

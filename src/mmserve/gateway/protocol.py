@@ -8,7 +8,8 @@ that names the field, never silently dropped:
   ``http(s)`` when the gateway allows remote media; ``detail`` accepted and ignored: the model's
   processor picks the resolution), ``input_audio`` (``{"data": base64, "format": "wav"|"mp3"|"flac"|
   "ogg"}``), ``audio_url`` (vLLM's: a ``data:`` URL of an audio file; ``http(s)`` when remote media
-  are allowed), in any order. System and assistant parts: ``text``. A message's ``name`` is accepted
+  are allowed), ``video_url`` (vLLM's: the same for a video file, for models that take video), in
+  any order. System and assistant parts: ``text``. A message's ``name`` is accepted
   and ignored (the chat templates have no place for it).
 * sampling: ``max_tokens``/``max_completion_tokens`` (absent: up to the model's context length),
   ``temperature``, ``top_p``, ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``,
@@ -81,7 +82,16 @@ class AudioURLPart(_Strict):
     audio_url: AudioURL
 
 
-UserPart = Annotated[TextPart | ImagePart | AudioPart | AudioURLPart, Field(discriminator="type")]
+class VideoURL(_Strict):
+    url: str
+
+
+class VideoURLPart(_Strict):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+UserPart = Annotated[TextPart | ImagePart | AudioPart | AudioURLPart | VideoURLPart, Field(discriminator="type")]
 
 
 # -- messages -------------------------------------------------------------------------------------
