@@ -98,6 +98,7 @@ class Raw:
     pcm: np.ndarray | None = None
     rate: int | None = None
     sampling: str | dict[str, Any] | None = None
+    videos: tuple[bytes | str, ...] = ()
 
     def tensors(self) -> dict[str, np.ndarray]:
         tensors: dict[str, np.ndarray] = {"stream": np.array([False])}
@@ -112,6 +113,8 @@ class Raw:
             tensors["audio_pcm"] = self.pcm.astype(np.float32)
         if self.rate is not None:
             tensors["audio_sample_rate"] = np.array([self.rate], dtype=np.int32)
+        if self.videos:
+            tensors["video"] = np.array([_bytes(v) for v in self.videos], dtype=object)
         tensors["sampling_parameters"] = np.array([self._sampling().encode()], dtype=object)
         return tensors
 
@@ -127,6 +130,8 @@ class Raw:
             body["audio_pcm"] = self.pcm.tolist()
         if self.rate is not None:
             body["audio_sample_rate"] = self.rate
+        if self.videos:
+            body["video"] = [_url(v, "video/mp4") for v in self.videos]
         return body
 
     def _sampling(self) -> str:
@@ -184,6 +189,11 @@ RAW_CASES: list[BadRaw] = [
         "5 images (limit 4)",
         Raw(images=(GOOD_IMAGE,) * 5),
         r"image: 5 images exceed the limit of 4 per request \(max_images\)",
+    ),
+    BadRaw(
+        "a video for a model without video (Omni, for now)",
+        Raw(videos=(b"\x00\x00\x00\x18ftypmp42",)),
+        r"video: the qwen2_5_omni model takes no video",
     ),
     BadRaw("audio not audio", Raw(audios=(b"RIFF0000WAVE",)), r"audio\[0\]: cannot decode 12 bytes as audio"),
     BadRaw(
