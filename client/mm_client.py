@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("prompt", help="the user's text")
     parser.add_argument("--image", action="append", default=[], metavar="FILE", help="image file (repeatable)")
     parser.add_argument("--audio", action="append", default=[], metavar="FILE", help="audio file (repeatable)")
+    parser.add_argument(
+        "--video", action="append", default=[], metavar="FILE", help="video file, for models with video (repeatable)"
+    )
     parser.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     parser.add_argument("--url", help="host:port (default 127.0.0.1:8001 for gRPC, :8000 for HTTP)")
     parser.add_argument("--no-stream", dest="stream", action="store_false", help="one response at the end")
@@ -55,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             apply_chat_template=args.chat_template,
         )
+        if args.video:
+            options["videos"] = args.video
         if args.stream:
             for delta in client.stream(args.prompt, args.image, args.audio, **options):
                 print(delta, end="", flush=True)

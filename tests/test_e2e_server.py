@@ -13,6 +13,7 @@ Against an already running server or container (serving the tiny default model),
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import threading
@@ -161,6 +162,13 @@ def test_bad_requests_get_precise_errors_and_the_server_keeps_serving(server, re
     assert "image[0]: cannot decode 12 bytes as an image" in message
     message = _error_of(lambda: client.generate("x", [], [b"RIFF...."], **_sampling()))
     assert "audio[0]: cannot decode 8 bytes as audio" in message
+    from mmserve.client import MMClient
+
+    http = [MMClient(server.http, "http", timeout=180)] if server.http else []
+    for other in (client, *http):  # the client's videos= reach preprocess, which names the refusal
+        protocol = other.protocol
+        message = _error_of(functools.partial(other.generate, "x", videos=[b"\x00\x00\x00\x18ftypmp42"], **_sampling()))
+        assert "video: the qwen2_5_omni model takes no video" in message, (protocol, message)
     message = _error_of(lambda: client.generate("x", temperature=-1.0, max_tokens=4))
     assert "sampling_parameters: temperature must be non-negative" in message
     message = _error_of(lambda: client.generate("x", max_tokens=4, no_such_option=1))

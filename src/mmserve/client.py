@@ -146,7 +146,7 @@ class MMClient:
     def stream(
         self, text: str = "", images: Sequence[Media] = (), audios: Sequence[Media] = (), **options: Any
     ) -> Iterator[str]:
-        """Yield text deltas as the server streams them."""
+        """Yield text deltas as the server streams them (``videos=``: as for ``generate``)."""
         for response in self._responses(text, images, audios, stream=True, **options):
             yield response.text
 
@@ -162,7 +162,8 @@ class MMClient:
         """Generate to completion; with ``stream`` the deltas are joined.
 
         ``messages=`` (here, in ``stream`` and ``start``): a whole conversation instead of ``text``;
-        its image and audio parts refer, in order, to ``images`` and ``audios``."""
+        its image, audio and video parts refer, in order, to ``images``, ``audios`` and ``videos=``
+        (video files, for models that take video)."""
         result = Result(text="")
         for response in self._responses(text, images, audios, stream=stream, **options):
             result.text += response.text
@@ -182,6 +183,7 @@ class MMClient:
         *,
         stream: bool = True,
         messages: Messages | None = None,
+        videos: Sequence[Media] = (),
         **options: Any,
     ) -> Generation:
         """Send a request (gRPC) and return at once: iterate the ``Generation`` for its responses (a
@@ -189,7 +191,7 @@ class MMClient:
         if self.protocol != "grpc":
             raise ValueError("start() streams over gRPC: use protocol='grpc'")
         params, flags, apply_chat_template = self._options(stream, **options)
-        tensors = self._tensors(text, images, audios, apply_chat_template, messages)
+        tensors = self._tensors(text, images, audios, apply_chat_template, messages, videos)
         tensors["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=np.object_)
         for name, value in flags.items():
             tensors[name] = np.array([value])
@@ -246,12 +248,15 @@ class MMClient:
         *,
         stream: bool,
         messages: Messages | None = None,
+        videos: Sequence[Media] = (),
         **options: Any,
     ) -> Iterator[Result]:
         if self.protocol == "http":
-            yield from self._http(text, images, audios, *self._options(stream, **options), messages)
+            yield from self._http(text, images, audios, *self._options(stream, **options), messages, videos)
         else:
-            with self.start(text, images, audios, stream=stream, messages=messages, **options) as generation:
+            with self.start(
+                text, images, audios, stream=stream, messages=messages, videos=videos, **options
+            ) as generation:
                 yield from generation
 
     def _tensors(
@@ -261,6 +266,7 @@ class MMClient:
         audios: Sequence[Media],
         apply_chat_template: bool,
         messages: Messages | None = None,
+        videos: Sequence[Media] = (),
     ) -> dict[str, np.ndarray]:
         conversation = None if messages is None else _messages_json(messages)
         if self._preprocessor is not None:
@@ -270,6 +276,7 @@ class MMClient:
                 [_read(m) for m in audios],
                 apply_chat_template=apply_chat_template,
                 messages=conversation,
+                videos=[_read(m) for m in videos],
             )
             processed["text_input"] = np.array([text.encode()], dtype=np.object_)
             return processed
@@ -285,10 +292,14 @@ class MMClient:
             tensors["image"] = np.array([_read(m) for m in images], dtype=np.object_)
         if audios:
             tensors["audio"] = np.array([_read(m) for m in audios], dtype=np.object_)
+        if videos:
+            tensors["video"] = np.array([_read(m) for m in videos], dtype=np.object_)
         return tensors
 
     # -- HTTP: the generate endpoints (JSON, so media travel as data URLs) --------------------------
-    def _http(self, text, images, audios, params, flags, apply_chat_template, messages=None) -> Iterator[Result]:
+    def _http(
+        self, text, images, audios, params, flags, apply_chat_template, messages=None, videos=()
+    ) -> Iterator[Result]:
         import requests
 
         body: dict[str, Any] = {
@@ -305,6 +316,8 @@ class MMClient:
             body["image"] = [_data_url(m) for m in images]
         if audios:
             body["audio"] = [_data_url(m) for m in audios]
+        if videos:
+            body["video"] = [_data_url(m) for m in videos]
         endpoint = "generate_stream" if flags["stream"] else "generate"
         url = f"http://{self.url}/v2/models/{self.entry}/{endpoint}"
         with requests.post(url, json=body, stream=flags["stream"], timeout=self.timeout) as reply:
