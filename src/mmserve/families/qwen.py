@@ -81,22 +81,21 @@ def _check_patch_rows(field: str, rows: int, grid: Any, modality: str = "image")
         )
 
 
-def _check_grid(modality: str, grid: Any, merge: int, *, single_frame: bool) -> None:
+def _check_grid(modality: str, grid: Any, merge: int) -> None:
     """``{modality}_grid_thw``: (items >= 1, 3) of positive (t, h, w), h and w multiples of the
-    spatial merge size; an image is one temporal patch (vLLM's M-RoPE asserts t == 1 for images)."""
+    spatial merge size."""
     field = f"{modality}_grid_thw"
     if grid.shape[1] != 3 or grid.shape[0] == 0:
         raise ProcessedInputError(
             modality, field=field, expected=f"shape ({modality}s >= 1, 3)", found=f"shape {tuple(grid.shape)}"
         )
     for index, (t, h, w) in enumerate(grid.tolist()):
-        if min(t, h, w) <= 0 or h % merge or w % merge or (single_frame and t != 1):
-            frames = "t = 1 (an image is one temporal patch), " if single_frame else ""
+        if min(t, h, w) <= 0 or h % merge or w % merge:
             raise ProcessedInputError(
                 modality,
                 item=index,
                 field=field,
-                expected=f"{frames}positive (t, h, w) with h and w multiples of spatial_merge_size={merge}",
+                expected=f"positive (t, h, w) with h and w multiples of spatial_merge_size={merge}",
                 found=f"({t}, {h}, {w})",
             )
 
@@ -206,7 +205,7 @@ class QwenVisionImage(ModalitySpec):
     def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
         pixel_values, grid = data["pixel_values"], data["image_grid_thw"]
         patch_dim, merge = _vision(hf_config)
-        _check_grid("image", grid, merge, single_frame=True)
+        _check_grid("image", grid, merge)
         if pixel_values.shape[1] != patch_dim:
             raise ProcessedInputError(
                 "image",
@@ -215,6 +214,15 @@ class QwenVisionImage(ModalitySpec):
                 found=f"shape {tuple(pixel_values.shape)}",
             )
         _check_patch_rows("pixel_values", pixel_values.shape[0], grid)
+        for index, (t, h, w) in enumerate(grid.tolist()):
+            if t != 1:  # vLLM's M-RoPE asserts it for images, in the engine
+                raise ProcessedInputError(
+                    "image",
+                    item=index,
+                    field="image_grid_thw",
+                    expected="t = 1 (an image is one temporal patch)",
+                    found=f"({t}, {h}, {w})",
+                )
 
     def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
         from mmserve.vllm_seam import MultiModalFieldConfig
@@ -270,7 +278,7 @@ class QwenVisionVideo(ModalitySpec):
     def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
         pixels, grid, seconds = data["pixel_values_videos"], data["video_grid_thw"], data["second_per_grid_ts"]
         patch_dim, merge = _vision(hf_config)
-        _check_grid("video", grid, merge, single_frame=False)
+        _check_grid("video", grid, merge)
         if pixels.shape[1] != patch_dim:
             raise ProcessedInputError(
                 "video",
