@@ -43,7 +43,8 @@ RUN python3 -m pip install \
         "numpy==2.3.5" \
         "pillow==13.0.0" \
         "soundfile==0.14.0" \
-        "soxr==1.1.0"
+        "soxr==1.1.0" \
+        "av==18.1.0"
 
 # Optional: FlashInfer's precompiled kernels for the flashinfer-python that vLLM pins (0.7.0.post1),
 # which vLLM otherwise JIT-compiles at the first engine start (what `vllm download-kernels` installs;
@@ -65,7 +66,7 @@ COPY pyproject.toml README.md ./
 COPY src ./src
 RUN python3 -m pip install --no-deps --no-build-isolation . \
     && rm -rf build src/*.egg-info \
-    && python3 -c "import torch, transformers, vllm, tritonclient.grpc, soundfile, soxr, mmserve.serving.llm, mmserve.serving.preprocess; from importlib.metadata import entry_points; assert 'mmserve' in {e.name for e in entry_points(group='vllm.general_plugins')}; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'vllm', vllm.__version__, 'transformers', transformers.__version__)"
+    && python3 -c "import torch, transformers, vllm, tritonclient.grpc, soundfile, soxr, av, mmserve.serving.llm, mmserve.serving.preprocess; from importlib.metadata import entry_points; assert 'mmserve' in {e.name for e in entry_points(group='vllm.general_plugins')}; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'vllm', vllm.__version__, 'transformers', transformers.__version__)"
 
 # Tiny deterministic checkpoints (random weights): what the image serves without a mounted model, and
 # what the project's end-to-end tests are computed against. model.json's default "../../models/
