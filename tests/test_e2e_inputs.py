@@ -191,9 +191,9 @@ RAW_CASES: list[BadRaw] = [
         r"image: 5 images exceed the limit of 4 per request \(max_images\)",
     ),
     BadRaw(
-        "a video for a model without video (Omni, for now)",
+        "video not a video",
         Raw(videos=(b"\x00\x00\x00\x18ftypmp42",)),
-        r"video: the qwen2_5_omni model takes no video",
+        r"video\[0\]: cannot decode 12 bytes as a video",
     ),
     BadRaw("audio not audio", Raw(audios=(b"RIFF0000WAVE",)), r"audio\[0\]: cannot decode 12 bytes as audio"),
     BadRaw(

@@ -165,10 +165,10 @@ def test_bad_requests_get_precise_errors_and_the_server_keeps_serving(server, re
     from mmserve.client import MMClient
 
     http = [MMClient(server.http, "http", timeout=180)] if server.http else []
-    for other in (client, *http):  # the client's videos= reach preprocess, which names the refusal
+    for other in (client, *http):  # the client's videos= reach preprocess, which names what is wrong
         protocol = other.protocol
         message = _error_of(functools.partial(other.generate, "x", videos=[b"\x00\x00\x00\x18ftypmp42"], **_sampling()))
-        assert "video: the qwen2_5_omni model takes no video" in message, (protocol, message)
+        assert "video[0]: cannot decode 12 bytes as a video" in message, (protocol, message)
     message = _error_of(lambda: client.generate("x", temperature=-1.0, max_tokens=4))
     assert "sampling_parameters: temperature must be non-negative" in message
     message = _error_of(lambda: client.generate("x", max_tokens=4, no_such_option=1))
@@ -353,3 +353,22 @@ def test_perf_analyzer_against_the_ensemble(server, tmp_path):
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "Throughput:" in run.stdout
+
+
+def test_a_video_through_the_ensemble_equals_hf(server, omni_reference):
+    """A video file sent with the client (gRPC and HTTP) through mm_ensemble: the greedy tokens of
+    HF transformers (the Omni thinker) on the frames the file was made from."""
+    from mmserve.client import MMClient
+    from mmserve_dev.hf_reference import chat_prompt
+
+    from utils import encode_video, hf_video_tokens, sample_video
+
+    frames = sample_video(21, frames=6)
+    text = chat_prompt("qwen2_5_omni", omni_reference.processor, ["video", "text:What happens?"])
+    expected = hf_video_tokens(omni_reference, text, [frames])
+    video = encode_video(frames)
+    result = _client(server).generate("What happens?", videos=[video], **_sampling())
+    assert result.output_ids == expected
+    if server.http:
+        over_http = MMClient(server.http, "http", timeout=180).generate("What happens?", videos=[video], **_sampling())
+        assert over_http.text == result.text

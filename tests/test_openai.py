@@ -165,6 +165,19 @@ def test_audio_url_parts_as_vllm_serve_takes_them(references, sdk):
     assert reply.choices[0].message.content == case.output
 
 
+def test_video_url_parts_reach_the_model(server, sdk):
+    """A ``video_url`` part (a data: URL of a video file) answers as the same video sent to
+    mm_ensemble with the client (whose tokens equal HF transformers': tests/test_e2e_server.py)."""
+    from utils import encode_video, sample_video
+
+    video = encode_video(sample_video(21, frames=6))
+    url = "data:video/quicktime;base64," + base64.b64encode(video).decode()
+    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens?"}]
+    reply = sdk.chat.completions.create(model="mm_ensemble", messages=[{"role": "user", "content": content}], **GREEDY)
+    triton = triton_client(server).generate("What happens?", videos=[video], **_sampling())
+    assert reply.choices[0].message.content == triton.text
+
+
 def test_response_format_json_schema_equals_the_offline_engine(references, sdk):
     """Extracting fields from an image as JSON (``response_format: json_schema``): offline vLLM's
     greedy output under the same schema, valid against it; streamed, the same text."""

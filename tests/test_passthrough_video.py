@@ -8,38 +8,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from utils import ENGINE_ARGS, Request, greedy, processed, rejects
+from utils import (
+    ENGINE_ARGS,
+    VIDEO_FPS,
+    Request,
+    encode_video,
+    greedy,
+    hf_on_frames,
+    hf_video_tokens,
+    processed,
+    rejects,
+    sample_video,
+)
 
 FAMILY = "qwen2_5_vl"
 CASES = {"one_video": ["video"], "two_videos": ["video", "video"], "image_and_video": ["image", "video"]}
-
-
-def sample_video(seed: int, frames: int = 4, size: tuple[int, int] = (112, 84)) -> np.ndarray:
-    """``frames`` RGB frames (T, H, W, 3) of smooth random colour, seeded."""
-    rng = np.random.default_rng(seed)
-    w, h = size
-    base = rng.integers(0, 255, (1, h, w, 3)).astype(np.int16)
-    drift = rng.integers(-20, 20, (frames, 1, 1, 3)).cumsum(0)
-    return np.clip(base + drift, 0, 255).astype(np.uint8)
-
-
-FPS = 12
-
-
-def encode_video(frames: np.ndarray, fps: int = FPS) -> bytes:
-    """A lossless video file (PNG frames in MOV): decoding gives back exactly ``frames``."""
-    import io
-
-    import av
-
-    out = io.BytesIO()
-    with av.open(out, mode="w", format="mov") as container:
-        stream = container.add_stream("png", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "rgb24"
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -70,16 +53,6 @@ def make_video_request(reference, name: str, parts: list[str], seed: int) -> tup
     return request, videos
 
 
-def hf_on_frames(reference, text: str, images: list, videos: list[np.ndarray]):
-    """The HF processor on the original frames, told their frame rate (the independent reference)."""
-    metadata = [
-        {"total_num_frames": len(v), "fps": float(FPS), "width": v.shape[2], "height": v.shape[1]} for v in videos
-    ]
-    return reference.processor(
-        text=[text], images=images or None, videos=videos, video_metadata=metadata, return_tensors="np"
-    )
-
-
 def test_preprocess_gives_what_the_hf_processor_makes_of_the_frames(preprocessor, reference):
     """A video file through ``preprocess`` (text_input, and a conversation with an image before the
     video) = the HF processor on the frames the file was made from: ids and every video tensor."""
@@ -89,12 +62,12 @@ def test_preprocess_gives_what_the_hf_processor_makes_of_the_frames(preprocessor
     video = sample_video(7, frames=6)
     got = preprocessor.decode_wire(preprocessor("What happens?", videos=[encode_video(video)]))
     want = hf_on_frames(
-        reference, chat_prompt(FAMILY, reference.processor, ["video", "text:What happens?"]), [], [video]
+        reference.processor, chat_prompt(FAMILY, reference.processor, ["video", "text:What happens?"]), [], [video]
     )
     np.testing.assert_array_equal(got["input_ids"], want["input_ids"][0])
     for name in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):  # in the contract's dtypes
         np.testing.assert_array_equal(got[name], np.asarray(want[name], got[name].dtype), err_msg=name)
-    assert got["second_per_grid_ts"].tolist() == pytest.approx([2 / FPS])  # temporal_patch_size / the file's fps
+    assert got["second_per_grid_ts"].tolist() == pytest.approx([2 / VIDEO_FPS])  # temporal_patch_size / the file's fps
 
     image = sample_image(3, size=(112, 84))
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "And?"}]}]
@@ -104,7 +77,7 @@ def test_preprocess_gives_what_the_hf_processor_makes_of_the_frames(preprocessor
         preprocessor(None, [encode_image(image)], messages=json.dumps(messages), videos=[encode_video(video)])
     )
     text = chat_prompt(FAMILY, reference.processor, ["image", "video", "text:And?"])
-    want = hf_on_frames(reference, text, [image], [video])
+    want = hf_on_frames(reference.processor, text, [image], [video])
     np.testing.assert_array_equal(got["input_ids"], want["input_ids"][0])
     for name in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
@@ -147,8 +120,8 @@ def test_bad_and_oversized_videos_are_refused_by_name(preprocessor, tiny_models)
         lambda: preprocessor(None, messages=json.dumps([{"role": "user", "content": [{"type": "video"}]}])),
         "messages: 1 video part but 0 videos given",
     )
-    omni = Preprocessor(tiny_models["qwen2_5_omni"])
-    rejects(lambda: omni("x", videos=[data]), "video: the qwen2_5_omni model takes no video")
+    audio_only = Preprocessor(tiny_models["qwen2_audio"])
+    rejects(lambda: audio_only("x", videos=[data]), "video: the qwen2_audio model takes no video")
 
 
 def test_video_counting_rule_matches_hf_expansion(reference):
@@ -247,9 +220,83 @@ def test_a_video_file_through_preprocess_gives_hf_tokens(engine, reference, prep
 
     video = sample_video(11, frames=6)
     tensors = preprocessor.decode_wire(preprocessor("What happens?", videos=[encode_video(video)]))
-    hf = hf_on_frames(reference, chat_prompt(FAMILY, reference.processor, ["video", "text:What happens?"]), [], [video])
+    hf = hf_on_frames(
+        reference.processor, chat_prompt(FAMILY, reference.processor, ["video", "text:What happens?"]), [], [video]
+    )
     with torch.no_grad():
         out = reference.model.generate(**hf.convert_to_tensors("pt"), max_new_tokens=12, do_sample=False)
     expected = out[0, hf["input_ids"].shape[1] :].tolist()
     prompt = processed_prompt(get_family(FAMILY), tensors["input_ids"], tensors)
     assert list(engine.generate_sync(prompt, greedy(12)).outputs[0].token_ids) == expected
+
+
+# -- Qwen2.5-Omni: video without its audio track ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def omni_preprocessor(tiny_models):
+    from mmserve.serving.preprocess import Preprocessor
+
+    return Preprocessor(tiny_models["qwen2_5_omni"])
+
+
+def test_omni_video_is_what_its_hf_processor_makes_of_the_frames(omni_preprocessor, omni_reference):
+    """Omni's processor names the seconds per temporal patch ``video_second_per_grid``: ``preprocess``
+    sends it under that name (a wire field of the family), ``mm_llm`` reads it as vLLM's
+    ``second_per_grid_ts``; everything else equals the HF processor on the frames, and the count rule
+    holds."""
+    from mmserve.families import get_family
+    from mmserve.inputs import processed_multi_modal_data
+    from mmserve.passthrough.items import ProcessedItems
+    from mmserve.passthrough.placeholders import placeholder_runs
+    from mmserve_dev.hf_reference import chat_prompt
+
+    video = sample_video(9, frames=6)
+    wire = omni_preprocessor("What happens?", videos=[encode_video(video)])
+    text = chat_prompt("qwen2_5_omni", omni_reference.processor, ["video", "text:What happens?"])
+    want = hf_on_frames(omni_reference.processor, text, [], [video])
+    seconds = np.asarray(want["video_second_per_grid"], np.float32)
+    np.testing.assert_array_equal(wire["input_ids"], want["input_ids"][0])
+    np.testing.assert_array_equal(wire["video_second_per_grid"], seconds)
+    assert wire["second_per_grid_ts"].size == 0
+    got = omni_preprocessor.decode_wire(wire)
+    assert "video_second_per_grid" not in got
+    np.testing.assert_array_equal(got["second_per_grid_ts"], seconds)
+    np.testing.assert_array_equal(got["pixel_values_videos"], want["pixel_values_videos"])
+    family = get_family("qwen2_5_omni")
+    spec = family.modality("video")
+    assert spec is not None
+    data = processed_multi_modal_data(family, got)["video"]
+    items = ProcessedItems(data, spec, omni_reference.model.config)
+    vocab = omni_reference.processor.tokenizer.get_vocab()
+    runs = placeholder_runs(got["input_ids"].tolist(), vocab["<|VIDEO|>"])
+    assert [n for _, n in runs] == items.expected_tokens()
+
+
+@pytest.fixture(scope="module")
+def omni_engine(tiny_models):
+    from mmserve.engine import EngineRunner
+
+    with EngineRunner(str(tiny_models["qwen2_5_omni"]), **ENGINE_ARGS) as runner:
+        yield runner
+
+
+@pytest.mark.engine
+def test_omni_video_parity_with_hf(omni_engine, omni_reference, omni_preprocessor):
+    """Video files through ``preprocess`` (a conversation) and the engine = HF transformers (the
+    Omni thinker) on the frames: one video, and two of different lengths."""
+    import json
+
+    from mmserve.families import get_family
+    from mmserve.inputs import processed_prompt
+    from mmserve_dev.hf_reference import chat_prompt
+
+    family = get_family("qwen2_5_omni")
+    for videos in ([sample_video(13, frames=6)], [sample_video(14, frames=4), sample_video(15, frames=6)]):
+        text = chat_prompt("qwen2_5_omni", omni_reference.processor, [*(["video"] * len(videos)), "text:What happens?"])
+        expected = hf_video_tokens(omni_reference, text, videos, max_new_tokens=12)
+        content = [*({"type": "video"} for _ in videos), {"type": "text", "text": "What happens?"}]
+        wire = omni_preprocessor(
+            None, messages=json.dumps([{"role": "user", "content": content}]), videos=[encode_video(v) for v in videos]
+        )
+        tensors = omni_preprocessor.decode_wire(wire)
+        got = omni_engine.generate_sync(processed_prompt(family, tensors["input_ids"], tensors), greedy(12))
+        assert list(got.outputs[0].token_ids) == expected, f"{len(videos)} video(s): vLLM on processed video != HF"

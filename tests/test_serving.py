@@ -195,7 +195,7 @@ def test_parse_request_groups_tensors_by_modality():
     with pytest.raises(RequestError, match="input_ids: expected a non-empty INT64 tensor"):
         parse_request(get_family("qwen2_5_omni"), lambda name: None)
     # Video tensors: grouped for Qwen2.5-VL (next to empty image and audio tensors, as preprocess sends
-    # them), refused by name for a family without video.
+    # them), refused by name for a family without video (Qwen2-Audio).
     video: dict[str, np.ndarray] = {
         "input_ids": np.arange(10, dtype=np.int64),
         "pixel_values": np.zeros((0, 0), np.float32),
@@ -205,8 +205,8 @@ def test_parse_request_groups_tensors_by_modality():
         "second_per_grid_ts": np.array([0.5], np.float32),
     }
     assert set(parse_request(get_family("qwen2_5_vl"), video.get).prompt["multi_modal_data"]) == {"video"}
-    with pytest.raises(RequestError, match=r"pixel_values_videos: the qwen2_5_omni model takes no such input"):
-        parse_request(get_family("qwen2_5_omni"), video.get)
+    with pytest.raises(RequestError, match=r"pixel_values_videos: the qwen2_audio model takes no such input"):
+        parse_request(get_family("qwen2_audio"), video.get)
 
 
 def test_parse_request_decodes_uint8_patches(tiny_models, preprocessor):

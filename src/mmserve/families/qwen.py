@@ -251,8 +251,20 @@ class QwenVisionVideo(ModalitySpec):
 
     modality = "video"
 
-    def __init__(self, placeholder_token: str) -> None:
+    def __init__(self, placeholder_token: str, *, seconds_field: str = "second_per_grid_ts") -> None:
+        """``seconds_field``: the HF processor's name for ``second_per_grid_ts`` where it differs
+        (Qwen2.5-Omni's ``video_second_per_grid``): a wire field, renamed by ``wire_decoder``."""
         self.placeholder_token = placeholder_token
+        self.seconds_field = seconds_field
+        if seconds_field != "second_per_grid_ts":
+            self.wire_fields = (
+                FieldSpec(
+                    seconds_field,
+                    "float32",
+                    ("videos",),
+                    "second_per_grid_ts under this family's HF processor's name: send either",
+                ),
+            )
         self.fields = (
             FieldSpec(
                 "pixel_values_videos",
@@ -274,6 +286,23 @@ class QwenVisionVideo(ModalitySpec):
                 "seconds per temporal patch of each video (temporal_patch_size / sampled fps)",
             ),
         )
+
+    def wire_decoder(self, model: str | Path) -> WireDecoder | None:
+        if not self.wire_fields:
+            return None
+        name = self.seconds_field
+
+        def decode(data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+            out = dict(data)
+            if name in out:
+                if "second_per_grid_ts" in out:
+                    raise ProcessedInputError(
+                        "video", field=name, expected=f"second_per_grid_ts or {name}, not both", found="both"
+                    )
+                out["second_per_grid_ts"] = out.pop(name)
+            return out
+
+        return decode
 
     def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
         pixels, grid, seconds = data["pixel_values_videos"], data["video_grid_thw"], data["second_per_grid_ts"]

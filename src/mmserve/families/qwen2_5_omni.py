@@ -1,12 +1,17 @@
-"""Qwen2.5-Omni thinker: text, images and audio; the project's default model."""
+"""Qwen2.5-Omni thinker: text, images, audio and video (without its audio track, for now); the
+project's default model."""
 
 from mmserve.families.base import FamilySpec
-from mmserve.families.qwen import QwenVisionImage, WhisperAudio
+from mmserve.families.qwen import QwenVisionImage, QwenVisionVideo, WhisperAudio
 
 QWEN2_5_OMNI = FamilySpec(
     name="qwen2_5_omni",
     stock_architectures=("Qwen2_5OmniModel", "Qwen2_5OmniForConditionalGeneration"),
     passthrough_architecture="MMServePassthroughQwen2_5OmniThinker",
     vllm_model=("vllm.model_executor.models.qwen2_5_omni_thinker:Qwen2_5OmniThinkerForConditionalGeneration"),
-    modalities=(QwenVisionImage("<|IMAGE|>"), WhisperAudio("<|AUDIO|>", fixed_frames=False)),
+    modalities=(
+        QwenVisionImage("<|IMAGE|>"),
+        WhisperAudio("<|AUDIO|>", fixed_frames=False),
+        QwenVisionVideo("<|VIDEO|>", seconds_field="video_second_per_grid"),
+    ),
 )
