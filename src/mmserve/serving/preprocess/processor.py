@@ -85,7 +85,9 @@ class Preprocessor:
         extractor = getattr(self.processor, "feature_extractor", None)
         self.sampling_rate: int | None = getattr(extractor, "sampling_rate", None)
         self.audio_window_s = self._audio_window(extractor)
-        every_kind = self.chat_prompt("", int("image" in self.modalities), int("audio" in self.modalities))
+        every_kind = self.chat_prompt(
+            "", *(int(kind in self.modalities) for kind in ("image", "audio", "video"))
+        )  # the template's own markers around every kind of media: never the escaping sentinel
         reserved = (getattr(self.processor, f"{kind}_token", None) for kind in ("image", "audio", "video"))
         try:
             self.control_tokens = ControlTokens(
