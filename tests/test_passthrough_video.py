@@ -287,6 +287,7 @@ def test_omni_video_parity_with_hf(omni_engine, omni_reference, omni_preprocesso
 
     from mmserve.families import get_family
     from mmserve.inputs import processed_prompt
+    from mmserve.serving.preprocess import PreprocessLimits
     from mmserve_dev.hf_reference import chat_prompt
 
     family = get_family("qwen2_5_omni")
@@ -294,9 +295,10 @@ def test_omni_video_parity_with_hf(omni_engine, omni_reference, omni_preprocesso
         text = chat_prompt("qwen2_5_omni", omni_reference.processor, [*(["video"] * len(videos)), "text:What happens?"])
         expected = hf_video_tokens(omni_reference, text, videos, max_new_tokens=12)
         content = [*({"type": "video"} for _ in videos), {"type": "text", "text": "What happens?"}]
-        wire = omni_preprocessor(
+        preprocessor = omni_preprocessor.with_settings(limits=PreprocessLimits(max_videos=2))
+        wire = preprocessor(
             None, messages=json.dumps([{"role": "user", "content": content}]), videos=[encode_video(v) for v in videos]
         )
-        tensors = omni_preprocessor.decode_wire(wire)
+        tensors = preprocessor.decode_wire(wire)
         got = omni_engine.generate_sync(processed_prompt(family, tensors["input_ids"], tensors), greedy(12))
         assert list(got.outputs[0].token_ids) == expected, f"{len(videos)} video(s): vLLM on processed video != HF"
