@@ -360,8 +360,9 @@ def test_a_video_through_the_ensemble_equals_hf(server, omni_reference):
     HF transformers (the Omni thinker) on the frames the file was made from."""
     from mmserve.client import MMClient
     from mmserve_dev.hf_reference import chat_prompt
+    from mmserve_dev.samples import encode_video, sample_video
 
-    from utils import encode_video, hf_video_tokens, sample_video
+    from utils import hf_video_tokens
 
     frames = sample_video(21, frames=6)
     text = chat_prompt("qwen2_5_omni", omni_reference.processor, ["video", "text:What happens?"])

@@ -168,7 +168,7 @@ def test_audio_url_parts_as_vllm_serve_takes_them(references, sdk):
 def test_video_url_parts_reach_the_model(server, sdk):
     """A ``video_url`` part (a data: URL of a video file) answers as the same video sent to
     mm_ensemble with the client (whose tokens equal HF transformers': tests/test_e2e_server.py)."""
-    from utils import encode_video, sample_video
+    from mmserve_dev.samples import encode_video, sample_video
 
     video = encode_video(sample_video(21, frames=6))
     url = "data:video/quicktime;base64," + base64.b64encode(video).decode()

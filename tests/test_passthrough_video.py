@@ -8,17 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mmserve_dev.samples import VIDEO_FPS, encode_video, sample_video
+
 from utils import (
     ENGINE_ARGS,
-    VIDEO_FPS,
     Request,
-    encode_video,
     greedy,
     hf_on_frames,
     hf_video_tokens,
     processed,
     rejects,
-    sample_video,
 )
 
 FAMILY = "qwen2_5_vl"
@@ -228,6 +227,19 @@ def test_a_video_file_through_preprocess_gives_hf_tokens(engine, reference, prep
     expected = out[0, hf["input_ids"].shape[1] :].tolist()
     prompt = processed_prompt(get_family(FAMILY), tensors["input_ids"], tensors)
     assert list(engine.generate_sync(prompt, greedy(12)).outputs[0].token_ids) == expected
+
+
+def test_the_example_clip_is_a_video_the_default_model_takes(tiny_models):
+    """examples/media/clip.mp4 (the README's example: 8 frames, 224x168, 8 fps, MPEG-4 in MP4, made by
+    ``mmserve_dev.samples.encode_video``) goes through the default model's ``preprocess``."""
+    from pathlib import Path
+
+    from mmserve.serving.preprocess import Preprocessor
+
+    clip = (Path(__file__).resolve().parents[1] / "examples" / "media" / "clip.mp4").read_bytes()
+    out = Preprocessor(tiny_models["qwen2_5_omni"])("What happens?", videos=[clip])
+    [(t, h, w)] = out["video_grid_thw"].tolist()
+    assert t == 4 and out["pixel_values_videos"].shape[0] == t * h * w
 
 
 # -- Qwen2.5-Omni: video without its audio track ----------------------------------------------------------

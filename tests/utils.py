@@ -661,37 +661,9 @@ def fake_pb_utils() -> types.ModuleType:
 
 
 # -- videos ---------------------------------------------------------------------------------------------
-VIDEO_FPS = 12
-
-
-def sample_video(seed: int, frames: int = 4, size: tuple[int, int] = (112, 84)) -> np.ndarray:
-    """``frames`` RGB frames (T, H, W, 3) of smooth random colour, seeded."""
-    rng = np.random.default_rng(seed)
-    w, h = size
-    base = rng.integers(0, 255, (1, h, w, 3)).astype(np.int16)
-    drift = rng.integers(-20, 20, (frames, 1, 1, 3)).cumsum(0)
-    return np.clip(base + drift, 0, 255).astype(np.uint8)
-
-
-def encode_video(frames: np.ndarray, fps: int = VIDEO_FPS) -> bytes:
-    """A lossless video file (PNG frames in MOV): decoding gives back exactly ``frames``."""
-    import io
-
-    import av
-
-    out = io.BytesIO()
-    with av.open(out, mode="w", format="mov") as container:
-        stream = container.add_stream("png", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "rgb24"
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-    return out.getvalue()
-
-
-def hf_on_frames(processor, text: str, images: list, videos: list[np.ndarray], fps: int = VIDEO_FPS) -> Any:
+def hf_on_frames(processor, text: str, images: list, videos: list[np.ndarray], fps: int = 12) -> Any:
     """The HF processor on the original frames, told their frame rate (the independent reference of
-    what ``preprocess`` makes of a video file)."""
+    what ``preprocess`` makes of a video file; ``fps``: ``mmserve_dev.samples.VIDEO_FPS``'s)."""
     metadata = [
         {"total_num_frames": len(v), "fps": float(fps), "width": v.shape[2], "height": v.shape[1]} for v in videos
     ]
