@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,10 +28,18 @@ ANSWER_MARGIN_S = 5.0
 """Beyond the grace period, how long to wait for ``mm_llm``'s answer."""
 
 
-def drain(url: str, grace_s: float = GRACE_S, *, llm: str = LLM, answer_margin_s: float = ANSWER_MARGIN_S) -> bool:
+def drain(
+    url: str,
+    grace_s: float = GRACE_S,
+    *,
+    llm: str = LLM,
+    answer_margin_s: float = ANSWER_MARGIN_S,
+    on_sent: Callable[[], object] | None = None,
+) -> bool:
     """Drain ``llm`` on the Triton at ``url`` (gRPC ``host:port``); True once it answered (no request
     in flight any more), False if it could not be asked or did not answer within ``grace_s`` +
-    ``answer_margin_s``."""
+    ``answer_margin_s``. ``on_sent``: called once the request is handed to the stream (a stop's
+    timeline tells the client's time from the server's)."""
     import tritonclient.grpc as grpcclient
 
     answered = threading.Event()
@@ -50,6 +58,8 @@ def drain(url: str, grace_s: float = GRACE_S, *, llm: str = LLM, answer_margin_s
     try:
         client.start_stream(callback=on_answer)
         client.async_stream_infer(llm, grpc_inputs(tensors), enable_empty_final_response=True)
+        if on_sent is not None:
+            on_sent()
         return answered.wait(grace_s + answer_margin_s) and not errors
     except Exception:  # noqa: BLE001 - a server that can't be asked has nothing to drain
         return False

@@ -534,7 +534,7 @@ class TritonServer:
             # First the drain: requests in flight end now, and the work below (reading /proc of busy
             # engine processes among it) runs on an idle server.
             if self.drain and self.is_running():
-                phase("drained" if self.drain_now() else "drain not answered")
+                phase("drained" if self.drain_now(on_sent=lambda: phase("drain sent")) else "drain not answered")
             if keeper is not None:
                 keeper.stop()
                 phase("keeper stopped")
@@ -585,8 +585,9 @@ class TritonServer:
             self._log_handle.write(("\n" + native_stacks(pid) + "\n").encode(errors="replace"))
             self._log_handle.flush()
 
-    def drain_now(self) -> bool:
-        """Drain ``drain`` (``mmserve.drain``) if it is set and the server runs; True if it answered."""
+    def drain_now(self, on_sent: Callable[[], object] | None = None) -> bool:
+        """Drain ``drain`` (``mmserve.drain``) if it is set and the server runs; True if it answered.
+        ``on_sent``: ``mmserve.drain.drain``'s."""
         if not (self.drain and self.is_running() and self.grpc_port is not None) or self._drained:
             return False
         self._drained = True  # once per start: what a drain ends is not served again
@@ -594,7 +595,7 @@ class TritonServer:
 
         # A stop has 15 s: past the grace period the drain's answer is awaited 1 s at most (the
         # models' finalize ends whatever is left).
-        return drain(self.grpc_url, self.drain_grace_s, llm=self.drain, answer_margin_s=1.0)
+        return drain(self.grpc_url, self.drain_grace_s, llm=self.drain, answer_margin_s=1.0, on_sent=on_sent)
 
     @staticmethod
     def _kill_group(pgid: int, grace: float, phase: Callable[[str], None] = lambda what: None) -> None:
