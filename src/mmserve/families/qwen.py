@@ -81,6 +81,18 @@ def _check_patch_rows(field: str, rows: int, grid: Any, modality: str = "image")
         )
 
 
+def _check_patches(modality: str, field: str, pixels: Any, grid: Any, patch_dim: int) -> None:
+    """``field`` holds ``patch_dim`` values per patch and as many patches as the grid says."""
+    if pixels.shape[1] != patch_dim:
+        raise ProcessedInputError(
+            modality,
+            field=field,
+            expected=f"{patch_dim} values per patch (the vision tower's patch size)",
+            found=f"shape {tuple(pixels.shape)}",
+        )
+    _check_patch_rows(field, pixels.shape[0], grid, modality)
+
+
 def _check_grid(modality: str, grid: Any, merge: int) -> None:
     """``{modality}_grid_thw``: (items >= 1, 3) of positive (t, h, w), h and w multiples of the
     spatial merge size."""
@@ -206,14 +218,7 @@ class QwenVisionImage(ModalitySpec):
         pixel_values, grid = data["pixel_values"], data["image_grid_thw"]
         patch_dim, merge = _vision(hf_config)
         _check_grid("image", grid, merge)
-        if pixel_values.shape[1] != patch_dim:
-            raise ProcessedInputError(
-                "image",
-                field="pixel_values",
-                expected=f"{patch_dim} values per patch (the vision tower's patch size)",
-                found=f"shape {tuple(pixel_values.shape)}",
-            )
-        _check_patch_rows("pixel_values", pixel_values.shape[0], grid)
+        _check_patches("image", "pixel_values", pixel_values, grid, patch_dim)
         for index, (t, h, w) in enumerate(grid.tolist()):
             if t != 1:  # vLLM's M-RoPE asserts it for images, in the engine
                 raise ProcessedInputError(
@@ -308,14 +313,7 @@ class QwenVisionVideo(ModalitySpec):
         pixels, grid, seconds = data["pixel_values_videos"], data["video_grid_thw"], data["second_per_grid_ts"]
         patch_dim, merge = _vision(hf_config)
         _check_grid("video", grid, merge)
-        if pixels.shape[1] != patch_dim:
-            raise ProcessedInputError(
-                "video",
-                field="pixel_values_videos",
-                expected=f"{patch_dim} values per patch (the vision tower's patch size)",
-                found=f"shape {tuple(pixels.shape)}",
-            )
-        _check_patch_rows("pixel_values_videos", pixels.shape[0], grid, "video")
+        _check_patches("video", "pixel_values_videos", pixels, grid, patch_dim)
         if tuple(seconds.shape) != (grid.shape[0],):
             raise ProcessedInputError(
                 "video",
