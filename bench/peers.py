@@ -774,16 +774,17 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def launch(self) -> None:
-        setpriv = shutil.which("setpriv")  # SIGKILL the server if this process dies without stopping it
-        prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
+        # Killed if this process dies without stopping it; in this session like every server here.
+        from mmserve_dev.triton.process import NEW_PROCESS_GROUP, die_with_this_process
+
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                prefix + self.command,
+                die_with_this_process(self.command),
                 env={**os.environ, "VLLM_PLUGINS": ""},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                process_group=NEW_PROCESS_GROUP,
             )
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:

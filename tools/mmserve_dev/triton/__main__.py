@@ -24,7 +24,7 @@ import urllib.request
 from collections.abc import Sequence
 
 from mmserve_dev.triton.install import TritonServerError
-from mmserve_dev.triton.process import TritonServer, die_with_this_process
+from mmserve_dev.triton.process import NEW_PROCESS_GROUP, TritonServer, die_with_this_process
 
 GATEWAY_START_TIMEOUT_S = 60.0
 GATEWAY_STOP_TIMEOUT_S = 3.0
@@ -48,7 +48,7 @@ def start_gateway(server: TritonServer, host: str, port: int) -> subprocess.Pope
             "warning",
         ]
     )
-    gateway = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    gateway = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, process_group=NEW_PROCESS_GROUP)
     deadline = time.monotonic() + GATEWAY_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if gateway.poll() is not None:

@@ -142,6 +142,17 @@ _LIVE_LOCK = threading.Lock()
 _SERVER_COUNTER = itertools.count()
 
 
+NEW_PROCESS_GROUP = 0
+"""``subprocess.Popen(..., process_group=NEW_PROCESS_GROUP)`` for a server: a process group of its own
+(it and its children are signalled and killed together) in the launcher's session. Not a new
+session: Linux schedules each session as one group (``sched_autogroup``), and a CPU engine's
+processes spin on ``sched_yield`` while they wait for each other (vLLM's shared-memory queues); on a
+2-core machine (kernel 6.18) a process of another session was then left runnable but unscheduled for
+up to 11 s at a time: a client read a 3,000-token stream in one burst at its end, and a cancel or a
+drain sent meanwhile reached the engine seconds late. In one session every process gets its share
+(docs/PERFORMANCE.md, "One scheduling group")."""
+
+
 def die_with_this_process(cmd: list[str]) -> list[str]:
     """``cmd`` run under ``setpriv --pdeathsig KILL``: the kernel SIGKILLs it when this process dies
     without stopping it (SIGKILLed, the OOM killer, a test timeout). The signal fires when the
@@ -472,7 +483,7 @@ class TritonServer:
             stdin=subprocess.DEVNULL,
             stdout=self._log_handle,  # None: inherited
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: stubs and their children can be killed together
+            process_group=NEW_PROCESS_GROUP,
         )
         self._pgid = self.process.pid
         with _LIVE_LOCK:
