@@ -273,6 +273,25 @@ def test_stream_chunks_concatenate_to_the_full_text(references, sdk):
     assert len({c.id for c in chunks}) == 1
 
 
+def test_a_long_stream_arrives_while_it_is_generated(sdk):
+    """A 1,500-token stream reaches the client as the engine makes it: half its chunks before 80 %
+    of its time (with the server in a session of its own, the client got the whole stream in one
+    burst at its end: docs/PERFORMANCE.md, "One scheduling group")."""
+    start = time.monotonic()
+    stream = sdk.chat.completions.create(
+        model="mm_ensemble",
+        messages=[{"role": "user", "content": "Count."}],
+        stream=True,
+        max_tokens=1500,
+        extra_body={"ignore_eos": True},
+    )
+    arrivals = [time.monotonic() - start for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
+    first, median, last = arrivals[0], arrivals[len(arrivals) // 2], arrivals[-1]
+    print(f"\n{len(arrivals)} chunks: first {first:.2f} s, median {median:.2f} s, last {last:.2f} s")
+    assert len(arrivals) > 10
+    assert median - first < 0.8 * (last - first)
+
+
 def test_logprobs_stop_and_seed(references, sdk):
     case = references["text_only#1"]
     reply = sdk.chat.completions.create(

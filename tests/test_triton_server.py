@@ -189,6 +189,16 @@ def test_ready_and_metadata(server: TritonServer) -> None:
         assert b"nv_inference_request_success" in resp.read()
 
 
+def test_the_server_runs_in_its_launchers_session(server: TritonServer) -> None:
+    """tritonserver and its stubs: a process group of their own (signalled and killed together), in
+    the launcher's session, which Linux schedules as one group with the tests' processes (a session
+    of their own let a CPU engine's spinning starve the tests' clients: NEW_PROCESS_GROUP)."""
+    members = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
+    assert len(members) > 1, "no stub started"
+    assert {os.getsid(p.pid) for p in members} == {os.getsid(0)}
+    assert {os.getpgid(p.pid) for p in members} == {server.pid} != {os.getpgid(0)}
+
+
 def test_echo_http_and_grpc(server: TritonServer) -> None:
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
