@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from mmserve_dev.samples import AUDIO_SAMPLE_RATE
+from mmserve_dev.samples import AUDIO_SAMPLE_RATE, VIDEO_FPS
 
 if TYPE_CHECKING:
     from mmserve.client import MMClient, Result
@@ -661,9 +661,9 @@ def fake_pb_utils() -> types.ModuleType:
 
 
 # -- videos ---------------------------------------------------------------------------------------------
-def hf_on_frames(processor, text: str, images: list, videos: list[np.ndarray], fps: int = 12) -> Any:
+def hf_on_frames(processor, text: str, images: list, videos: list[np.ndarray], fps: int = VIDEO_FPS) -> Any:
     """The HF processor on the original frames, told their frame rate (the independent reference of
-    what ``preprocess`` makes of a video file; ``fps``: ``mmserve_dev.samples.VIDEO_FPS``'s)."""
+    what ``preprocess`` makes of a video file)."""
     metadata = [
         {"total_num_frames": len(v), "fps": float(fps), "width": v.shape[2], "height": v.shape[1]} for v in videos
     ]
