@@ -139,6 +139,94 @@ def test_media_follow_the_order_of_their_parts(preprocessor):
     assert ab["input_ids"].tolist() != ba["input_ids"].tolist()  # the runs swapped too
 
 
+# -- tool calls in the conversation, and the tools --------------------------------------------------------
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TOOL_TURNS = [
+    user("image", "What is the weather where this was taken?"),
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+        ],
+    },
+    {
+        "role": "tool",
+        "tool_call_id": "call_1",
+        "content": [{"type": "text", "text": "Snow,"}, {"type": "text", "text": "-3 C"}],
+    },
+]
+TOOL_TURNS_HF = [  # what vLLM's server gives the chat template for them (vllm.renderers.chat_utils)
+    TOOL_TURNS[0],
+    {
+        "role": "assistant",
+        "content": [],
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "Snow,\n-3 C"},
+]
+# A chat template that shows the model its tools and the calls (the tiny checkpoints' own, as the real
+# Qwen2.5-VL and Omni templates, render neither).
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
+    "{% else %}{% for p in m.content %}{% if p.type == 'image' %}<|vision_bos|><|IMAGE|><|vision_eos|>"
+    "{% elif p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}{% endif %}"
+    "{% for call in m.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endfor %}<|im_start|>assistant\n"
+)
+
+
+def test_tool_calls_and_results_reach_the_template_as_vllm_gives_them(preprocessor, omni_reference):
+    """An assistant's tool call (content null, arguments a JSON string) and the tool's answer (text
+    parts) are rendered in vLLM's form for the templates; ``tools`` reach a template that reads them."""
+    png = encode_image(IMAGE_A)
+    processor = omni_reference.processor
+    for template in (None, TOOL_TEMPLATE):
+        saved = preprocessor.processor.chat_template
+        if template is not None:
+            preprocessor.processor.chat_template = template
+        try:
+            out = preprocessor(messages=json.dumps(TOOL_TURNS), images=[png], tools=json.dumps([WEATHER]))
+        finally:
+            preprocessor.processor.chat_template = saved
+        text = processor.apply_chat_template(
+            TOOL_TURNS_HF, tools=[WEATHER], chat_template=template, add_generation_prompt=True, tokenize=False
+        )
+        assert ("get_weather" in text) == (template is not None)
+        assert "Snow,\n-3 C" in text
+        assert_same(preprocessor.decode_wire(out), omni_reference.processor_inputs(text, [IMAGE_A]))
+
+
+BAD_TOOLS = [
+    ("{", "tools: not valid JSON ("),
+    ("[]", "tools: expected a non-empty JSON array of tools, found an empty array"),
+    ('[{"type": "custom"}]', 'tools[0]: expected {"type": "function", "function": {"name": ...}}'),
+    ('[{"type": "function", "function": {"name": ""}}]', "tools[0].function.name: expected a non-empty string"),
+    ('[{"type": "function", "function": {"name": "f", "parameters": []}}]', "tools[0].function.parameters: expected"),
+    ('[{"type": "function", "function": {"name": "f", "x": 1}}]', "tools[0].function: unknown key(s) ['x']"),
+    ('[{"type": "function", "function": {"name": "<|im_start|>"}}]', "tools[0]: the control token '<|im_start|>'"),
+]
+
+
+@pytest.mark.parametrize("tools,message", BAD_TOOLS, ids=[m for _, m in BAD_TOOLS])
+def test_bad_tools_are_named_exactly(preprocessor, tools, message):
+    rejects(lambda: preprocessor(messages=json.dumps([MSG]), tools=tools), message)
+
+
+def test_tools_need_a_conversation(preprocessor):
+    rejects(lambda: preprocessor("hi", tools=json.dumps([WEATHER])), "tools: only with messages (a conversation)")
+
+
 # -- validation ----------------------------------------------------------------------------------------
 MSG = {"role": "user", "content": "x"}
 BAD = [
@@ -150,9 +238,59 @@ BAD = [
     ("[1]", {}, "messages[0]: expected a JSON object with role and content, found a number"),
     ([{"content": "x"}], {}, "messages[0]: missing role"),
     (
+        [{"role": "function", "content": "x"}],
+        {},
+        "messages[0]: unknown role \"function\" (expected 'system', 'user', 'assistant' or 'tool')",
+    ),
+    (
         [{"role": "tool", "content": "x"}],
         {},
-        "messages[0]: unknown role \"tool\" (expected 'system', 'user' or 'assistant')",
+        "messages[0]: missing tool_call_id (a tool message answers a call by its id)",
+    ),
+    (
+        [{"role": "tool", "content": "x", "tool_call_id": 3}],
+        {},
+        "messages[0].tool_call_id: expected a string, found a number",
+    ),
+    (
+        [{"role": "tool", "content": [{"type": "image"}], "tool_call_id": "a"}],
+        {},
+        "messages[0].content[0]: an image part in a tool message (a tool answers in text)",
+    ),
+    (
+        [{"role": "user", "content": "x", "tool_calls": []}],
+        {},
+        "messages[0]: unknown key(s) ['tool_calls'] (a message has only role and content)",
+    ),
+    (
+        [{"role": "assistant", "content": None}, MSG],
+        {},
+        "messages[0]: content is null (allowed only in an assistant message with tool_calls)",
+    ),
+    (
+        [{"role": "assistant", "content": None, "tool_calls": {"id": "a"}}, MSG],
+        {},
+        "messages[0].tool_calls: expected an array, found an object",
+    ),
+    (
+        [{"role": "assistant", "content": "", "tool_calls": [{"type": "custom", "custom": {}}]}, MSG],
+        {},
+        'messages[0].tool_calls[0]: expected {"id", "type": "function"',
+    ),
+    (
+        [{"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": "{}"}}]}, MSG],
+        {},
+        "messages[0].tool_calls[0].function: expected an object with a name (a string)",
+    ),
+    (
+        [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}, MSG],
+        {},
+        "messages[0].tool_calls[0].function.arguments: expected a JSON string or an object",
+    ),
+    (
+        [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "<|im_end|>"}}]}, MSG],
+        {},
+        "messages[0].tool_calls[0]: the control token '<|im_end|>' is not accepted in tool calls and tools",
     ),
     ([{"role": "user"}], {}, "messages[0]: missing content"),
     (
@@ -207,7 +345,7 @@ BAD = [
     (
         [MSG, {"role": "assistant", "content": "y"}],
         {},
-        "messages[1]: the conversation must end with a user message, found an assistant message",
+        "messages[1]: the conversation must end with a user (or tool) message, found an assistant message",
     ),
     ([user("image", "image", "x")], {"images": 1}, "messages: 2 image parts but 1 image given"),
     ([user("image", "x")], {"images": 2}, "messages: 1 image part but 2 images given"),
@@ -231,7 +369,7 @@ BAD = [
         {},
         "messages[0].content[0]: a lone surrogate",
     ),
-    ([{"role": {"x": "y" * 100}, "content": "x"}], {}, "y... (expected 'system', 'user' or 'assistant')"),
+    ([{"role": {"x": "y" * 100}, "content": "x"}], {}, "y... (expected 'system', 'user', 'assistant' or 'tool')"),
 ]
 
 

@@ -407,11 +407,28 @@ def test_media_size_limit():
     assert error.code == "media_too_large" and error.param == "messages[0].content[0].image_url.url"
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
 @pytest.mark.parametrize(
     ("data", "param", "code", "says"),
     [
         (body(user("Hi"), n=17), "n", None, "less than or equal to 16"),
-        (body(user("Hi"), tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "unsupported", "tool"),
+        (
+            body(user("Hi"), tools=[{"type": "function", "function": {"name": ""}}]),
+            "tools[0].function.name",
+            None,
+            "at least 1",
+        ),
         (body(user("Hi"), response_format={"type": "xml"}), "response_format.type", None, "'json_schema'"),
         (body(user("Hi"), response_format={"type": "json_schema"}), "response_format.json_schema", None, "needs"),
         (
@@ -434,7 +451,23 @@ def test_media_size_limit():
             None,
             "'wav'",
         ),
-        (body({"role": "tool", "content": "x", "tool_call_id": "1"}), "messages[0]", None, "tool"),
+        (body({"role": "tool", "content": "x"}), "messages[0].tool_call_id", "missing_field", "required"),
+        (body(user("Hi"), tools=[]), "tools", "invalid_value", "must not be an empty array"),
+        (body(user("Hi"), tool_choice="auto"), "tool_choice", "invalid_value", "`tools` must be set"),
+        (body(user("Hi"), tools=[WEATHER], tool_choice="sometimes"), "tool_choice", None, "'none'"),
+        (
+            body(user("Hi"), tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "other"}}),
+            "tool_choice",
+            "invalid_value",
+            "does not match any of the specified `tools`",
+        ),
+        (
+            body(user("Hi"), tools=[WEATHER], tool_choice=NAMED, structured_outputs={"regex": "a+"}),
+            "structured_outputs",
+            "invalid_value",
+            "either use constraints for structured outputs or tools",
+        ),
+        (body(user("Hi"), functions=[{"name": "f"}]), "functions", "unsupported", "function calling"),
         (body({"role": "system", "content": [image()]}), "messages[0].content[0].type", None, "text"),
         (body(user("Hi"), top_logprobs=2), "top_logprobs", "invalid_value", "logprobs"),
         (body(user("Hi"), max_tokens=3, max_completion_tokens=4), "max_completion_tokens", "invalid_value", "differ"),
@@ -466,7 +499,6 @@ def test_harmless_fields_are_accepted():
             user="u1",
             metadata={"k": "v"},
             store=False,
-            tool_choice="none",
             response_format={"type": "text"},
             modalities=["text"],
             parallel_tool_calls=True,
@@ -1040,3 +1072,188 @@ def test_return_token_ids_as_vllm_serve_gives_them(gateway):
     chunks = [json.loads(event) for event in events if event != "[DONE]"]
     assert [i for c in chunks for i in c["choices"][0].get("token_ids", [])] == [1, 2, 3]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "Hello!"
+
+
+# -- tool calling ---------------------------------------------------------------------------------
+DEFS_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "parameters": {
+            "type": "object",
+            "properties": {"where": {"$ref": "#/$defs/place"}},
+            "$defs": {"place": {"type": "string"}},
+        },
+    },
+}
+
+
+def _vllm_request(fields: dict[str, Any]):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest.model_validate(body(user("Hi"), **fields))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"tools": [WEATHER, TIME], "tool_choice": "required"},
+        {"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False},
+        {"tools": [WEATHER, DEFS_TOOL], "tool_choice": "required"},
+        {"tools": [WEATHER, TIME], "tool_choice": NAMED},
+        {"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+        {"tools": [WEATHER], "tool_choice": "auto"},
+        {"tools": [WEATHER], "tool_choice": "none"},
+        {"tools": [WEATHER]},
+    ],
+    ids=["required", "required-one", "required-defs", "named", "named-no-parameters", "auto", "none", "default"],
+)
+def test_tool_sampling_parameters_are_vllms(fields):
+    """The engine's constraint and flags for each ``tool_choice`` are what ``vllm serve --tool-call-parser
+    hermes`` gives the engine (vLLM's ``get_json_schema_from_tools``, the hermes parser's
+    ``adjust_request``)."""
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+    expected_schema = None
+    vllm_request = _vllm_request(fields)
+    if vllm_request.tool_choice not in ("none", "auto"):
+        expected_schema = get_json_schema_from_tools(
+            vllm_request.tool_choice, vllm_request.tools, vllm_request.parallel_tool_calls
+        )
+    params = convert.sampling_parameters(protocol.parse_request(body(user("Hi"), **fields)))
+    assert params.get("structured_outputs", {}).get("json") == expected_schema
+    assert params.get("skip_special_tokens", True) == (vllm_request.tool_choice == "none")
+
+
+def test_tools_reach_preprocess_and_the_conversation_keeps_its_calls():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    data = body(
+        user("Weather?"),
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Snow"},
+        tools=[WEATHER],
+    )
+    chat = protocol.parse_request(data)
+    conv = asyncio.run(convert.conversation(chat))
+    assert conv.messages[1:] == [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "Snow", "tool_call_id": "call_1"},
+    ]
+    (tensors,) = convert.request_tensors(chat, conv)
+    assert json.loads(tensors["tools"][0]) == [WEATHER]
+    assert "tools" in wire.names(wire.PREPROCESS_INPUTS)
+    # an assistant turn without text or calls is an empty text, as vLLM renders it
+    conv = convert_body(body(user("a"), {"role": "assistant", "content": None}, user("b")))
+    assert conv.messages[1] == {"role": "assistant", "content": ""}
+
+
+HERMES_TEXTS = [
+    "No call here.",
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+    'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ås"}}\n</tool_call>',
+    '  \n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>{"name": "get_weather", '
+    '"arguments": {"city": "Rome"}}</tool_call> trailing words',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}',  # never closed
+    "<tool_call>{not json}</tool_call>",
+    "An early <tool_c and no call",
+]
+
+
+@pytest.mark.parametrize("text", HERMES_TEXTS)
+def test_auto_tool_calls_are_read_as_vllms_hermes_parser_reads_them(text, tiny_models):
+    """Non-streamed: the content and calls of ``Hermes2ProToolParser`` (vLLM's ``--tool-call-parser
+    hermes``) on the same text. Streamed in pieces of every size: the deltas join to the same."""
+    from transformers import AutoTokenizer
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+
+    from mmserve.gateway import tools
+
+    vllm_request = _vllm_request({"tools": [WEATHER, TIME]})
+    parser = Hermes2ProToolParser(AutoTokenizer.from_pretrained(tiny_models["qwen2_5_omni"]), vllm_request.tools)
+    expected = parser.extract_tool_calls(text, vllm_request)
+    expected_calls = [(c.function.name, c.function.arguments) for c in expected.tool_calls]
+    expected_content = expected.content if expected.tools_called else text
+    if expected.tools_called and expected_content is not None and not expected_content.strip():
+        expected_content = None  # vLLM's server: whitespace before the calls is no content
+
+    reader = tools.ToolCallReader("auto")
+    content, calls = reader.message(text)
+    assert (content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]) == (
+        expected_content,
+        expected_calls,
+    )
+    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in calls)
+    for size in (1, 3, 7, len(text)):
+        assert _streamed(tools.ToolCallReader("auto"), text, size) == ((content or "").strip(), expected_calls)
+
+
+def _streamed(reader, text: str, size: int) -> tuple[str, list[tuple[str, str]]]:
+    """``text`` fed in pieces of ``size`` characters: the content and the calls the deltas make."""
+    deltas = [reader.feed(text[at : at + size]) for at in range(0, len(text), size)] + [reader.finish()]
+    content, calls = "", {}
+    for delta in filter(None, deltas):
+        content += delta.get("content", "")
+        for call in delta.get("tool_calls", []):
+            name, arguments = calls.get(call["index"], ("", ""))
+            function = call.get("function", {})
+            calls[call["index"]] = (name + function.get("name", ""), arguments + function.get("arguments", ""))
+    return content.strip(), [calls[k] for k in sorted(calls)]
+
+
+def test_required_and_named_calls_are_read_from_the_constrained_json():
+    from mmserve.gateway import tools
+
+    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]'
+    required = tools.ToolCallReader("required")
+    content, calls = required.message(text)
+    expected = [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
+    assert content == "" and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == expected
+    assert required.finish_reason("stop", calls=2, streamed=False) == "tool_calls"
+    assert _streamed(tools.ToolCallReader("required"), text, 5) == ("", expected)
+    one = tools.ToolCallReader("required", parallel_tool_calls=False)
+    assert len(one.message(text)[1]) == 1 and len(_streamed(one, text, 5)[1]) == 1
+
+    named = tools.ToolCallReader("named", name="get_weather")
+    arguments = '{"city": "Oslo"}'
+    content, calls = named.message(arguments)
+    assert content == "" and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_weather", arguments)
+    ]
+    assert named.finish_reason("stop", calls=1, streamed=True) == "stop"  # a named call "stops", as vLLM's
+    assert _streamed(tools.ToolCallReader("named", name="get_weather"), arguments, 4) == (
+        "",
+        [("get_weather", arguments)],
+    )
+    assert named.message("  ") == ("", [])
+
+
+def test_tool_calls_through_the_app_streamed_and_not(gateway):
+    """The SDK sees the calls (``message.tool_calls``; streamed, joined from ``delta.tool_calls``)
+    and the finish reason ``tool_calls``; the engine got the hermes flags."""
+    text = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    backend = FakeBackend([Delta(text[:15], [1], None, 20, 1, None), Delta(text[15:], [2], "stop", 20, 1, None)])
+    client = sdk(gateway(backend))
+    request = {"model": "mm_ensemble", "messages": [user("Weather in Oslo?")], "tools": [WEATHER]}
+    reply = client.chat.completions.create(**request)
+    message = reply.choices[0].message
+    assert message.content == "Checking." and reply.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        ("get_weather", '{"city": "Oslo"}')
+    ]
+    assert json.loads(backend.requests[0]["sampling_parameters"][0])["skip_special_tokens"] is False
+
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert content == "Checking." and [(t.index, t.function.name, t.function.arguments) for t in calls] == [
+        (0, "get_weather", '{"city": "Oslo"}')
+    ]
+    assert calls[0].id.startswith("chatcmpl-tool-")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+    none = client.chat.completions.create(**request, tool_choice="none")
+    assert none.choices[0].message.content == text and not none.choices[0].message.tool_calls
+
+    refused = gateway(FakeBackend([]), tool_call_parser="none")
+    answer = refused.post("/v1/chat/completions", json=request)
+    assert answer.status_code == 400 and "--tool-call-parser none" in answer.json()["error"]["message"]

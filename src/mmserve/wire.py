@@ -78,7 +78,14 @@ RAW_MEDIA_INPUTS: tuple[TensorSpec, ...] = (
 VIDEO = TensorSpec(
     "video", "object", ("videos",), "encoded video files (MP4, MOV, WebM, MKV) or data: URLs; models with video only"
 )
-PREPROCESS_INPUTS: tuple[TensorSpec, ...] = (TEXT_INPUT, *RAW_MEDIA_INPUTS, MESSAGES, VIDEO)
+TOOLS = TensorSpec(
+    "tools",
+    "object",
+    (1,),
+    "the function tools of a conversation (messages), for the chat template: a UTF-8 JSON array of "
+    'OpenAI tools {"type": "function", "function": {...}} (docs/tensors.md)',
+)
+PREPROCESS_INPUTS: tuple[TensorSpec, ...] = (TEXT_INPUT, *RAW_MEDIA_INPUTS, MESSAGES, VIDEO, TOOLS)
 """What ``preprocess`` takes: one raw request (a prompt in ``text_input``, or a conversation in ``messages``)."""
 
 STREAM = _flag("stream", "one response per generated delta (default false: one response)")

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from mmserve.gateway.app import DEFAULT_MODEL, GatewayConfig
+from mmserve.gateway.tools import TOOL_CALL_PARSERS
 
 GRACEFUL_SHUTDOWN_S = 10
 """After SIGTERM, how long streams in flight may still run (uvicorn's graceful shutdown); the drain
@@ -80,6 +81,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=defaults.triton_streams,
         help="long-lived gRPC streams to Triton that requests take in turn (default: %(default)s)",
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=defaults.tool_call_parser,
+        help='how tool_choice "auto" reads calls in the text: hermes (<tool_call> blocks, the Qwen '
+        'families\' format) or none (refuse "auto", as vllm serve without --enable-auto-tool-choice)',
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = parser.parse_args(argv)
 
@@ -100,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_request_bytes=args.max_request_bytes,
         response_timeout_s=args.response_timeout_s or None,
         triton_streams=args.triton_streams,
+        tool_call_parser=args.tool_call_parser,
     )
     uvicorn.run(
         create_app(config),

@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mmserve.gateway import tools
 from mmserve.gateway.convert import conversation, openai_logprobs, request_tensors
 from mmserve.gateway.errors import APIError, internal, invalid, logger, unavailable
 from mmserve.gateway.media import MediaFetcher
@@ -57,6 +58,9 @@ class GatewayConfig:
     request is cancelled and answered 504 (``mmserve.gateway.triton.TritonBackend``)."""
     triton_streams: int = STREAMS
     """The long-lived gRPC streams to Triton that requests take in turn (``TritonBackend``)."""
+    tool_call_parser: str = "hermes"
+    """How ``tool_choice: "auto"`` reads calls in the text (``mmserve.gateway.tools``); ``none``
+    refuses ``auto``, as ``vllm serve`` without ``--enable-auto-tool-choice``."""
 
     @property
     def name(self) -> str:
@@ -198,6 +202,11 @@ async def _chat(request: Request, config: GatewayConfig, backend: Any, fetcher: 
     chat = parse_request(await _read_json(request, config.max_request_bytes))
     if chat.model not in (config.name, config.model):
         raise _model_not_found(chat.model, config)
+    if tools.mode_of(chat) == "auto" and config.tool_call_parser == "none":
+        raise invalid(
+            '"auto" tool choice needs a tool call parser; this gateway runs with --tool-call-parser none',
+            param="tool_choice",
+        )
     conv = await conversation(chat, fetcher, config.media_max_bytes)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     answer = _Answer(chat, completion_id, config.name)
@@ -276,8 +285,9 @@ async def _next(deltas: AsyncGenerator[tuple[int, Delta], None]) -> tuple[int, D
 class _Choice:
     """One choice as it comes in: text, token ids, logprobs, token count, finish reason."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, reader: tools.ToolCallReader | None) -> None:
         self.index = index
+        self.tools = reader  # None: the request has no tools
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[dict[str, Any]] = []
@@ -292,7 +302,7 @@ class _Answer:
     def __init__(self, chat: ChatCompletionRequest, completion_id: str, model: str) -> None:
         self.chat, self.id, self.model = chat, completion_id, model
         self.created = int(time.time())
-        self.choices = [_Choice(index) for index in range(chat.n or 1)]
+        self.choices = [_Choice(index, tools.reader(chat)) for index in range(chat.n or 1)]
         self.prompt_tokens = 0
         self.prompt_logprobs: list[dict[str, Any] | None] | None = None
 
@@ -340,15 +350,30 @@ class _Answer:
             "choices": [
                 {
                     "index": choice.index,
-                    "message": {"role": "assistant", "content": "".join(choice.text), "refusal": None},
+                    **self._message(choice),
                     "logprobs": {"content": choice.logprobs, "refusal": None} if self.chat.logprobs else None,
-                    "finish_reason": choice.finish_reason,
                     **({"token_ids": choice.token_ids} if self.chat.return_token_ids else {}),
                 }
                 for choice in self.choices
             ],
             "usage": self.usage(),
             **({"prompt_logprobs": self.prompt_logprobs} if self.chat.prompt_logprobs is not None else {}),
+        }
+
+    @staticmethod
+    def _message(choice: _Choice) -> dict[str, Any]:
+        """A whole choice's ``message`` and ``finish_reason``."""
+        text = "".join(choice.text)
+        assert choice.finish_reason is not None
+        if choice.tools is None:
+            return {
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "finish_reason": choice.finish_reason,
+            }
+        content, calls = choice.tools.message(text)
+        return {
+            "message": {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls},
+            "finish_reason": choice.tools.finish_reason(choice.finish_reason, calls=len(calls), streamed=False),
         }
 
     def chunk(
@@ -396,6 +421,25 @@ class _Answer:
         return bool(self.chat.stream_options and self.chat.stream_options.include_usage)
 
 
+def _tool_events(answer: _Answer, choice: _Choice, delta: Delta) -> list[bytes]:
+    """The events of one response of a choice whose text is read for tool calls: the content and
+    calls it completes (``tools.ToolCallReader``), then, when it is the last, the rest and the
+    finish reason."""
+    assert choice.tools is not None
+    entries = answer.add(choice.index, delta)
+    message = choice.tools.feed(delta.text)
+    token_ids = delta.token_ids if answer.chat.return_token_ids else None
+    events = []
+    if message is not None or entries or token_ids:
+        events.append(_sse(answer.chunk(message or {}, index=choice.index, logprobs=entries, token_ids=token_ids)))
+    if choice.finish_reason is not None:
+        if (rest := choice.tools.finish()) is not None:
+            events.append(_sse(answer.chunk(rest, index=choice.index)))
+        reason = choice.tools.finish_reason(choice.finish_reason, calls=choice.tools.calls, streamed=True)
+        events.append(_sse(answer.chunk({}, index=choice.index, finish_reason=reason)))
+    return events
+
+
 def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
@@ -414,7 +458,11 @@ async def _events(
         item: tuple[int, Delta] | None = first
         while item is not None:
             index, delta = item
-            if answer.choices[index].finish_reason is None:
+            choice = answer.choices[index]
+            if choice.finish_reason is None and choice.tools is not None:
+                for event in _tool_events(answer, choice, delta):
+                    yield event
+            elif choice.finish_reason is None:
                 entries = answer.add(index, delta)
                 if answer.chat.return_token_ids:
                     if delta.text or delta.token_ids:

@@ -3,7 +3,8 @@
 
 The conversation travels whole in the ``messages`` tensor (UTF-8 JSON, ``preprocess`` applies the
 model's chat template): ``[{"role", "content": str | [{"type": "text", "text"} | {"type": "image"} |
-{"type": "audio"} | {"type": "video"}]}]``; its media parts refer, in order of appearance, to the
+{"type": "audio"} | {"type": "video"}]}]`` (an assistant's ``tool_calls``, a tool's
+``tool_call_id`` beside), the request's ``tools`` in the ``tools`` tensor; its media parts refer, in order of appearance, to the
 ``image``, ``audio`` and ``video`` items (encoded files), which the gateway decodes from
 the request's base64 (or fetches, for remote URLs when allowed). The media bytes are not decoded
 here: ``preprocess`` checks and decodes them (and answers ``[INVALID_ARG]`` for a bad file).
@@ -21,14 +22,17 @@ from typing import Any
 import numpy as np
 
 from mmserve import dataurl
+from mmserve.gateway import tools
 from mmserve.gateway.errors import APIError, invalid
 from mmserve.gateway.protocol import (
+    AssistantMessage,
     AudioPart,
     AudioURLPart,
     ChatCompletionRequest,
     ImagePart,
     SystemMessage,
     TextPart,
+    ToolMessage,
     VideoURLPart,
 )
 
@@ -117,8 +121,16 @@ async def conversation(
 
     for i, message in enumerate(request.messages):
         role = "system" if isinstance(message, SystemMessage) else message.role
+        extra: dict[str, Any] = {}
+        if isinstance(message, AssistantMessage) and message.tool_calls:
+            extra["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        elif isinstance(message, ToolMessage):
+            extra["tool_call_id"] = message.tool_call_id
+        if message.content is None:  # an assistant's: a call without text (or nothing, as vLLM renders it)
+            out.messages.append({"role": role, "content": None, **extra} if extra else {"role": role, "content": ""})
+            continue
         if isinstance(message.content, str):
-            out.messages.append({"role": role, "content": message.content})
+            out.messages.append({"role": role, "content": message.content, **extra})
             continue
         parts: list[dict[str, Any]] = []
         for j, part in enumerate(message.content):
@@ -140,7 +152,7 @@ async def conversation(
                 out.audios.append(bounded(audio_bytes(part.input_audio.data, param), param))
         if not parts:
             raise invalid(f"messages[{i}].content: empty list", param=f"messages[{i}].content")
-        out.messages.append({"role": role, "content": parts})
+        out.messages.append({"role": role, "content": parts, **extra})
     if remote:
         assert fetch is not None
         fetched = await asyncio.gather(*(fetch(url, param) for _, _, url, param in remote))
@@ -186,6 +198,7 @@ def sampling_parameters(request: ChatCompletionRequest, choice: int = 0) -> dict
         structured["json"] = response_format.json_schema.schema_
     if structured:
         params["structured_outputs"] = structured
+    params.update(tools.sampling(request))  # required and named calls: their schema replaces the above
     return params
 
 
@@ -227,6 +240,9 @@ def _request_tensors(request: ChatCompletionRequest, conv: Conversation) -> dict
         tensors["audio"] = _bytes_array(conv.audios)
     if conv.videos:
         tensors["video"] = _bytes_array(conv.videos)
+    if request.tools:
+        dumped = [tool.model_dump(exclude_none=True) for tool in request.tools]
+        tensors["tools"] = np.array([json.dumps(dumped, ensure_ascii=False).encode()], dtype=np.object_)
     return tensors
 
 

@@ -3,8 +3,9 @@
 What is accepted is what the gateway can serve faithfully; everything else is refused with a 400
 that names the field, never silently dropped:
 
-* messages: ``system`` (and ``developer``, its newer name), ``user``, ``assistant`` turns, any
-  number, content a string or a list of parts. User parts: ``text``, ``image_url`` (``data:`` URLs;
+* messages: ``system`` (and ``developer``, its newer name), ``user``, ``assistant`` (with its
+  ``tool_calls``, content then optional) and ``tool`` (``tool_call_id``) turns, any number, content
+  a string or a list of parts. User parts: ``text``, ``image_url`` (``data:`` URLs;
   ``http(s)`` when the gateway allows remote media; ``detail`` accepted and ignored: the model's
   processor picks the resolution), ``input_audio`` (``{"data": base64, "format": "wav"|"mp3"|"flac"|
   "ogg"}``), ``audio_url`` (vLLM's: a ``data:`` URL of an audio file; ``http(s)`` when remote media
@@ -23,12 +24,14 @@ that names the field, never silently dropped:
   ``json_object``), as vLLM's server maps them: ``response_format`` sets the constraint of
   ``structured_outputs``. Checked by ``mm_llm`` (``mmserve.serving.sampling``) and vLLM's front end,
   answered 400.
+* tool calling: ``tools`` (functions), ``tool_choice`` (``none``, ``auto``, the default with
+  tools, ``required``, a named function), ``parallel_tool_calls``, as ``vllm serve
+  --enable-auto-tool-choice --tool-call-parser hermes`` serves them (``mmserve.gateway.tools``).
 * ``stream``, ``stream_options`` (``include_usage``; ``include_obfuscation`` ignored).
 * ignored (no effect on the output): ``user``, ``metadata``, ``safety_identifier``,
-  ``prompt_cache_key``, ``service_tier`` (``IGNORED``), ``parallel_tool_calls``, and the fields of
-  ``UNSUPPORTED`` at their defaults (``tool_choice: "none"``, ``modalities: ["text"]``, ``store:
-  false``, ...).
-* refused: tools and functions, audio output, predicted outputs, web search,
+  ``prompt_cache_key``, ``service_tier`` (``IGNORED``), and the fields of ``UNSUPPORTED`` at their
+  defaults (``modalities: ["text"]``, ``store: false``, ...).
+* refused: the legacy ``functions``/``function_call``, audio output, predicted outputs, web search,
   reasoning effort, stored completions (``UNSUPPORTED``), any other field (``unknown_field``).
 """
 
@@ -107,13 +110,56 @@ class UserMessage(_Strict):
     name: str | None = None
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """A call the assistant made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(_Strict):
     role: Literal["assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
-Message = Annotated[SystemMessage | UserMessage | AssistantMessage, Field(discriminator="role")]
+class ToolMessage(_Strict):
+    """A tool's answer to the call ``tool_call_id``."""
+
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str
+
+
+Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # the grammar backend holds required/named calls to the schema either way
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JSONSchema(_Strict):
@@ -162,6 +208,9 @@ class ChatCompletionRequest(_Strict):
     return_token_ids: bool | None = None  # each choice (each chunk's, streamed) carries its token ids
     structured_outputs: dict[str, Any] | None = None  # vLLM's constraints, checked by mm_llm's parser
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call per choice
     # accepted, no effect
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -181,9 +230,6 @@ def _default(*values: Any):
 
 
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "tools": (_default([]), "tool calling is not supported by this server"),
-    "tool_choice": (_default("none"), "tool calling is not supported by this server"),
-    "parallel_tool_calls": (lambda value: True, ""),  # meaningless without tools: ignored
     "functions": (_default([]), "function calling is not supported by this server"),
     "function_call": (_default("none"), "function calling is not supported by this server"),
     "modalities": (_default(["text"]), 'this model answers in text only (modalities: ["text"])'),
@@ -233,7 +279,36 @@ def parse_request(body: Any) -> ChatCompletionRequest:
         )
     if request.stream_options is not None and not request.stream:
         raise invalid("stream_options is only allowed with stream: true", param="stream_options")
+    _check_tools(request, body)
     return request
+
+
+def _check_tools(request: ChatCompletionRequest, body: dict[str, Any]) -> None:
+    """vLLM's rules (``ChatCompletionRequest.check_tool_usage``): ``tool_choice`` defaults to
+    ``auto`` with tools, names one of them, and a named one excludes other structured outputs."""
+    if request.tools == []:
+        raise invalid(
+            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
+            param="tools",
+        )
+    if "tool_choice" not in body and request.tools:
+        request.tool_choice = "auto"
+    choice = request.tool_choice
+    if choice is None or choice == "none":
+        return
+    if not request.tools:
+        raise invalid("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in {tool.function.name for tool in request.tools}:
+            raise invalid(
+                "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                param="tool_choice",
+            )
+        if any(key in (request.structured_outputs or {}) for key in ("json", "regex", "choice")):
+            raise invalid(
+                "You can only either use constraints for structured outputs or tools, not both.",
+                param="structured_outputs",
+            )
 
 
 def _param(loc: tuple[Any, ...], data: Any) -> str:
@@ -245,12 +320,15 @@ def _param(loc: tuple[Any, ...], data: Any) -> str:
     out = ""
     for n, item in enumerate(loc):
         if (
-            n
+            n > 1
             and isinstance(loc[n - 1], int)
             and isinstance(data, dict)
-            and item in (data.get("type"), data.get("role"))
+            and (
+                (loc[n - 2] == "messages" and item == data.get("role"))
+                or ("tagged-union[" in str(loc[n - 2]) and item == data.get("type"))
+            )
         ):
-            continue  # the tag of a tagged union, after the index of the item
+            continue  # the tag of a tagged union (a message's role, a part's type), after the item's index
         if isinstance(item, int):
             out += f"[{item}]"
             data = data[item] if isinstance(data, list) and -len(data) <= item < len(data) else None

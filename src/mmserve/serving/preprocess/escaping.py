@@ -5,6 +5,8 @@ rendered with a one-token sentinel in place of that text, the processor runs on 
 sentinel's id (with the plain text around it up to the nearest special token, so that token
 boundaries are the natural ones) is replaced by the text tokenized with ``split_special_tokens``.
 Sentinels with only plain text between them form one run, tokenized as one text.
+Tool calls and tools are rendered by the template as JSON: a control token there is refused under
+either policy.
 """
 
 from __future__ import annotations
@@ -74,6 +76,13 @@ class ControlTokens:
     ) -> tuple[str, list[Run] | None]:
         """The conversation rendered by ``render``, and how to splice its escaped texts back in
         (None: no text is escaped). Under ``policy="reject"`` a control token is an error."""
+        for text in conversation.structured:
+            found = self.pattern.search(text.text)
+            if found is not None:  # rendered as JSON by the template: no text of its own to escape
+                raise PreprocessError(
+                    f"{text.where}: the control token {found.group()!r} is not accepted in tool calls and "
+                    "tools (the chat template renders them as JSON, where it can't be escaped)"
+                )
         escaped = []
         for text in conversation.texts:
             found = self.pattern.search(text.text)

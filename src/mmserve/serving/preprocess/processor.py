@@ -32,6 +32,7 @@ from mmserve.serving.preprocess.messages import (
     check_media_counts,
     decode_text,
     parse_messages,
+    parse_tools,
     user_turn,
     without_media,
 )
@@ -150,16 +151,19 @@ class Preprocessor:
         """One user turn: the images, the videos, the audio clips, then the text; generation prompt on."""
         return self.render(user_turn(text, num_images, num_audios, num_videos).messages)
 
-    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """The chat template on ``messages`` (HF form), generation prompt on."""
-        return self.processor.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The chat template on ``messages`` (HF form) and ``tools``, generation prompt on."""
+        return self.processor.apply_chat_template(
+            list(messages), tools=list(tools) if tools else None, add_generation_prompt=True, tokenize=False
+        )
 
-    def _render_text_only(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """The template on ``messages`` with their media parts left out."""
-        return self.render(without_media(messages))
+    def _render_text_only(self, conversation: Conversation) -> str:
+        """The template on the conversation with its media parts left out."""
+        return self.render(without_media(conversation.messages), conversation.tools)
 
     def _templated(self, conversation: Conversation) -> tuple[str, list[Run] | None]:
-        return self.control_tokens.template(conversation, self.user_control_tokens, self.render)
+        render = functools.partial(self.render, tools=conversation.tools)
+        return self.control_tokens.template(conversation, self.user_control_tokens, render)
 
     # -- request-level limits ------------------------------------------------------------------
     def _check_request(
@@ -170,6 +174,7 @@ class Preprocessor:
         pcm: Sequence[tuple[np.ndarray, int]],
         messages: str | bytes | None = None,
         videos: Sequence[bytes | str] = (),
+        tools: str | bytes | None = None,
     ) -> None:
         """Modalities, item counts and total size: all before anything is decoded (or parsed)."""
         limits = self.limits
@@ -196,6 +201,7 @@ class Preprocessor:
         text_bytes = _byte_size("text_input", text)
         total = text_bytes + sum(_byte_size(f"image[{i}]", item) for i, item in enumerate(images))
         total += 0 if messages is None else _byte_size("messages", messages)
+        total += 0 if tools is None else _byte_size("tools", tools)
         total += sum(_byte_size(f"audio[{i}]", item) for i, item in enumerate(audios))
         total += sum(_byte_size(f"video[{i}]", item) for i, item in enumerate(videos))
         total += sum(np.asarray(samples).nbytes for samples, _ in pcm)
@@ -216,11 +222,17 @@ class Preprocessor:
                 f"{limit} (max_prompt_tokens)"
             )
 
-    def _conversation(self, messages: str | bytes, num_images: int, num_clips: int, num_videos: int) -> Conversation:
-        """``messages`` parsed and checked against the request's media (before any decoding)."""
+    def _conversation(
+        self, messages: str | bytes, num_images: int, num_clips: int, num_videos: int, tools: str | bytes | None
+    ) -> Conversation:
+        """``messages`` (and ``tools``) parsed and checked against the request's media (before any decoding)."""
         conversation = parse_messages(messages, max_messages=self.limits.max_messages)
         check_media_counts(conversation, num_images, num_clips, num_videos)
-        self._check_text_bytes("messages", sum(len(t.text.encode()) for t in conversation.texts))
+        if tools is not None:
+            conversation.tools, tool_texts = parse_tools(tools)
+            conversation.structured += tool_texts
+        texts = conversation.texts + conversation.structured
+        self._check_text_bytes("messages", sum(len(t.text.encode()) for t in texts))
         return conversation
 
     # -- the processor -------------------------------------------------------------------------
@@ -382,10 +394,12 @@ class Preprocessor:
         apply_chat_template: bool = True,
         messages: str | bytes | None = None,
         videos: Sequence[bytes | str] = (),
+        tools: str | bytes | None = None,
     ) -> dict[str, np.ndarray]:
         """``input_ids`` and every feature tensor of the contract, as numpy arrays.
 
-        ``messages``: a conversation (UTF-8 JSON, see the package docstring) instead of ``text``.
+        ``messages``: a conversation (UTF-8 JSON, see the package docstring) instead of ``text``;
+        ``tools``: its function tools (UTF-8 JSON), for the chat template.
 
         Raises:
             PreprocessError: the request is invalid or over a limit (the message names the input).
@@ -400,8 +414,10 @@ class Preprocessor:
                     "messages: apply_chat_template must not be false when messages is given "
                     "(the model's chat template renders the conversation)"
                 )
-            self._check_request("", images, audios, pcm, messages, videos)
-            conversation = self._conversation(messages, len(images), len(audios) + len(pcm), len(videos))
+            self._check_request("", images, audios, pcm, messages, videos, tools)
+            conversation = self._conversation(messages, len(images), len(audios) + len(pcm), len(videos), tools)
+        elif tools is not None:
+            raise PreprocessError("tools: only with messages (a conversation)")
         else:
             self._check_request(text, images, audios, pcm, videos=videos)
             prompt_text = decode_text(text)
@@ -414,7 +430,7 @@ class Preprocessor:
         text_only: Callable[[], str] | None = None
         if conversation is not None:
             prompt, runs = self._templated(conversation)
-            text_only = functools.partial(self._render_text_only, conversation.messages)
+            text_only = functools.partial(self._render_text_only, conversation)
         elif apply_chat_template:
             prompt, runs = self._templated(user_turn(prompt_text, len(pil_images), len(clips), len(decoded_videos)))
             text_only = functools.partial(self.chat_prompt, prompt_text, 0, 0)
@@ -479,5 +495,5 @@ def _byte_size(what: str, value: object) -> int:
         return len(value.encode())
     if isinstance(value, BYTES_LIKE):
         return len(value)
-    expected = "a UTF-8 string" if what in ("text_input", "messages") else "bytes or a data URL"
+    expected = "a UTF-8 string" if what in ("text_input", "messages", "tools") else "bytes or a data URL"
     raise PreprocessError(f"{what}: expected {expected}, found {type(value).__name__}")

@@ -22,6 +22,7 @@ class PreprocessRequest:
     apply_chat_template: bool = True
     messages: str | bytes | None = None
     videos: list[Any] = field(default_factory=list)
+    tools: str | bytes | None = None
 
     def kwargs(self) -> dict[str, Any]:
         """The fields by name: the call's keyword arguments (no copy of the arrays)."""
@@ -40,6 +41,9 @@ def parse_preprocess_request(get: Callable[[str], np.ndarray | None]) -> Preproc
         raise PreprocessError(f"text_input: expected exactly one prompt string, found {text.size}")
     if messages is not None and messages.size != 1:
         raise PreprocessError(f"messages: expected exactly one JSON string, found {messages.size}")
+    tools = get("tools")
+    if tools is not None and tools.size != 1:
+        raise PreprocessError(f"tools: expected exactly one JSON string, found {tools.size}")
     pcm = get("audio_pcm")
     clips = []
     if pcm is not None and pcm.size:
@@ -56,6 +60,7 @@ def parse_preprocess_request(get: Callable[[str], np.ndarray | None]) -> Preproc
         apply_chat_template=True if template is None or template.size == 0 else bool(template.reshape(-1)[0]),
         messages=None if messages is None else messages.reshape(-1)[0],
         videos=_items(get("video")),
+        tools=None if tools is None else tools.reshape(-1)[0],
     )
 
 
