@@ -1190,7 +1190,7 @@ def test_auto_tool_calls_are_read_as_vllms_hermes_parser_reads_them(text, tiny_m
 def _streamed(reader, text: str, size: int) -> tuple[str, list[tuple[str, str]]]:
     """``text`` fed in pieces of ``size`` characters: the content and the calls the deltas make."""
     deltas = [reader.feed(text[at : at + size]) for at in range(0, len(text), size)] + [reader.finish()]
-    content, calls = "", {}
+    content, calls = "", dict[int, tuple[str, str]]()
     for delta in filter(None, deltas):
         content += delta.get("content", "")
         for call in delta.get("tool_calls", []):
