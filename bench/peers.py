@@ -743,7 +743,13 @@ class VllmServer:
     instead, its requests for ``/inference/v1/generate`` of a ``vllm serve --enable-scale-out``."""
 
     def __init__(
-        self, engine_args: Mapping[str, Any], log_path: Path, *, scale_out: bool = False, render: bool = False
+        self,
+        engine_args: Mapping[str, Any],
+        log_path: Path,
+        *,
+        scale_out: bool = False,
+        render: bool = False,
+        flags: Sequence[str] = (),
     ) -> None:
         from mmserve_dev.triton import free_ports
 
@@ -766,6 +772,7 @@ class VllmServer:
             "--generation-config",
             "vllm",
             *(["--enable-scale-out"] if scale_out else []),
+            *flags,
         ]
         self.process: subprocess.Popen[bytes] | None = None
 

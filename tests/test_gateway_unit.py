@@ -1095,34 +1095,57 @@ def _vllm_request(fields: dict[str, Any]):
 
 
 @pytest.mark.parametrize(
-    "fields",
+    ("fields", "sent"),
     [
-        {"tools": [WEATHER, TIME], "tool_choice": "required"},
-        {"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False},
-        {"tools": [WEATHER, DEFS_TOOL], "tool_choice": "required"},
-        {"tools": [WEATHER, TIME], "tool_choice": NAMED},
-        {"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
-        {"tools": [WEATHER], "tool_choice": "auto"},
-        {"tools": [WEATHER], "tool_choice": "none"},
-        {"tools": [WEATHER]},
+        ({"tools": [WEATHER]}, {"tool_choice": "auto"}),
+        ({"tools": [WEATHER], "tool_choice": "required"}, {"tool_choice": "required"}),
+        (
+            {"tools": [WEATHER], "tool_choice": NAMED, "parallel_tool_calls": False},
+            {"tool_choice": NAMED, "parallel_tool_calls": False},
+        ),
+        ({"tools": [WEATHER], "tool_choice": "none"}, None),
     ],
-    ids=["required", "required-one", "required-defs", "named", "named-no-parameters", "auto", "none", "default"],
+    ids=["default", "required", "named-one", "none"],
 )
-def test_tool_sampling_parameters_are_vllms(fields):
-    """The engine's constraint and flags for each ``tool_choice`` are what ``vllm serve --tool-call-parser
-    hermes`` gives the engine (vLLM's ``get_json_schema_from_tools``, the hermes parser's
-    ``adjust_request``)."""
-    from vllm.tool_parsers.utils import get_json_schema_from_tools
-
-    expected_schema = None
-    vllm_request = _vllm_request(fields)
-    if vllm_request.tool_choice not in ("none", "auto"):
-        expected_schema = get_json_schema_from_tools(
-            vllm_request.tool_choice, vllm_request.tools, vllm_request.parallel_tool_calls
-        )
+def test_tools_reach_mm_llm_in_the_sampling_parameters(fields, sent):
+    """``mm_llm`` gets the tools and the choice (it constrains the calls with vLLM's own parser);
+    with ``none`` only the chat template sees the tools."""
     params = convert.sampling_parameters(protocol.parse_request(body(user("Hi"), **fields)))
-    assert params.get("structured_outputs", {}).get("json") == expected_schema
-    assert params.get("skip_special_tokens", True) == (vllm_request.tool_choice == "none")
+    if sent is None:
+        assert not {"tools", "tool_choice", "parallel_tool_calls"} & set(params)
+    else:
+        assert params["tools"] == [WEATHER] and {k: params[k] for k in sent} == sent
+
+
+def test_mm_llm_constrains_the_calls_as_vllm_serve_does(tiny_models):
+    """``vllm_seam.tool_call_params``: vLLM 0.32's hermes parser holds required and named calls to
+    a structural tag (the ``<tool_call>`` format with the tools' schemas), leaves ``auto`` free,
+    and keeps special tokens in the text; a constraint of the client's stays with ``auto``."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.tokenizers import get_tokenizer
+
+    from mmserve import vllm_seam
+    from mmserve.serving.sampling import ToolCalling, parse_generation_parameters
+
+    engine = SimpleNamespace(tokenizer=get_tokenizer(tiny_models["qwen2_5_omni"]))
+    base = SamplingParams(max_tokens=8)
+    for choice in ("required", NAMED):
+        params = vllm_seam.tool_call_params(engine, "hermes", base, ToolCalling([WEATHER, TIME], choice))
+        tag = json.loads(params.structured_outputs.structural_tag)
+        assert "<tool_call>" in json.dumps(tag) and not params.skip_special_tokens
+        assert ("get_time" in json.dumps(tag)) == (choice == "required")
+    auto = vllm_seam.tool_call_params(engine, "hermes", base, ToolCalling([WEATHER], "auto"))
+    assert auto.structured_outputs is None and not auto.skip_special_tokens and auto.max_tokens == 8
+    regex = parse_generation_parameters(
+        json.dumps({"structured_outputs": {"regex": "a+"}, "tools": [WEATHER]}), stream=False, logprobs=False
+    )
+    assert regex.tool_calling == ToolCalling([WEATHER], "auto")
+    both = vllm_seam.tool_call_params(engine, "hermes", regex.params, regex.tool_calling)
+    assert both.structured_outputs.regex == "a+" and not both.skip_special_tokens  # auto: the client's stays
+    with pytest.raises(Exception, match="tool_choice"):
+        parse_generation_parameters(json.dumps({"tool_choice": "required"}), stream=False, logprobs=False)
 
 
 def test_tools_reach_preprocess_and_the_conversation_keeps_its_calls():
@@ -1160,71 +1183,65 @@ HERMES_TEXTS = [
 
 
 @pytest.mark.parametrize("text", HERMES_TEXTS)
-def test_auto_tool_calls_are_read_as_vllms_hermes_parser_reads_them(text, tiny_models):
-    """Non-streamed: the content and calls of ``Hermes2ProToolParser`` (vLLM's ``--tool-call-parser
-    hermes``) on the same text. Streamed in pieces of every size: the deltas join to the same."""
+def test_tool_calls_are_read_as_vllms_hermes_parser_reads_them(text, tiny_models):
+    """Whole: the content and calls ``vllm serve --tool-call-parser hermes`` answers (its
+    ``Hermes2ProToolParser``, through its server's rules for auto, required and named). Streamed in
+    pieces of every size: the same delta as vLLM's parser for every piece (ids aside)."""
     from transformers import AutoTokenizer
     from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 
     from mmserve.gateway import tools
 
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen2_5_omni"])
     vllm_request = _vllm_request({"tools": [WEATHER, TIME]})
-    parser = Hermes2ProToolParser(AutoTokenizer.from_pretrained(tiny_models["qwen2_5_omni"]), vllm_request.tools)
-    expected = parser.extract_tool_calls(text, vllm_request)
-    expected_calls = [(c.function.name, c.function.arguments) for c in expected.tool_calls]
-    expected_content = expected.content if expected.tools_called else text
-    if expected.tools_called and expected_content is not None and not expected_content.strip():
-        expected_content = None  # vLLM's server: whitespace before the calls is no content
+    found = Hermes2ProToolParser(tokenizer, vllm_request.tools).extract_tool_calls(text, vllm_request)
+    calls = [(c.function.name, c.function.arguments) for c in found.tool_calls] if found.tools_called else []
+    for mode in ("auto", "required", "named"):
+        if mode == "auto":  # vLLM's server: whitespace before the calls is no content
+            content = (found.content if found.content and found.content.strip() else None) if calls else text
+        else:  # required and named (its auto path): the text, or what came before the calls, or ""
+            content = (found.content or "") if calls else (text if text.strip() else "")
+        got_content, got_calls = tools.ToolCallReader(mode).message(text)
+        assert (got_content, [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls]) == (
+            content,
+            calls,
+        ), mode
+        assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in got_calls)
 
-    reader = tools.ToolCallReader("auto")
-    content, calls = reader.message(text)
-    assert (content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]) == (
-        expected_content,
-        expected_calls,
-    )
-    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in calls)
     for size in (1, 3, 7, len(text)):
-        assert _streamed(tools.ToolCallReader("auto"), text, size) == ((content or "").strip(), expected_calls)
+        parser, reader = Hermes2ProToolParser(tokenizer, vllm_request.tools), tools.ToolCallReader("auto")
+        sent = ""
+        for at in range(0, len(text), size):
+            piece = text[at : at + size]
+            expected = parser.extract_tool_calls_streaming(sent, sent + piece, piece, [], [], [], vllm_request)
+            sent += piece
+            got = reader.feed(piece)
+            assert _delta(got) == _delta(expected and expected.model_dump(exclude_none=True)), (size, at)
 
 
-def _streamed(reader, text: str, size: int) -> tuple[str, list[tuple[str, str]]]:
-    """``text`` fed in pieces of ``size`` characters: the content and the calls the deltas make."""
-    deltas = [reader.feed(text[at : at + size]) for at in range(0, len(text), size)] + [reader.finish()]
-    content, calls = "", dict[int, tuple[str, str]]()
-    for delta in filter(None, deltas):
-        content += delta.get("content", "")
-        for call in delta.get("tool_calls", []):
-            name, arguments = calls.get(call["index"], ("", ""))
-            function = call.get("function", {})
-            calls[call["index"]] = (name + function.get("name", ""), arguments + function.get("arguments", ""))
-    return content.strip(), [calls[k] for k in sorted(calls)]
+def _delta(delta: dict[str, Any] | None) -> tuple[str | None, list[tuple[int, str | None, str | None]]]:
+    """A delta's content and calls (index, name, arguments); ids aside."""
+    if delta is None:
+        return None, []
+    calls = [
+        (call["index"], call.get("function", {}).get("name"), call.get("function", {}).get("arguments"))
+        for call in delta.get("tool_calls") or []
+    ]
+    return delta.get("content") or None, calls
 
 
-def test_required_and_named_calls_are_read_from_the_constrained_json():
+def test_one_call_when_parallel_calls_are_off():
     from mmserve.gateway import tools
 
-    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]'
-    required = tools.ToolCallReader("required")
-    content, calls = required.message(text)
-    expected = [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
-    assert content == "" and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == expected
-    assert required.finish_reason("stop", calls=2, streamed=False) == "tool_calls"
-    assert _streamed(tools.ToolCallReader("required"), text, 5) == ("", expected)
+    text = HERMES_TEXTS[3]
+    assert len(tools.ToolCallReader("auto").message(text)[1]) == 2
     one = tools.ToolCallReader("required", parallel_tool_calls=False)
-    assert len(one.message(text)[1]) == 1 and len(_streamed(one, text, 5)[1]) == 1
-
-    named = tools.ToolCallReader("named", name="get_weather")
-    arguments = '{"city": "Oslo"}'
-    content, calls = named.message(arguments)
-    assert content == "" and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-        ("get_weather", arguments)
-    ]
-    assert named.finish_reason("stop", calls=1, streamed=True) == "stop"  # a named call "stops", as vLLM's
-    assert _streamed(tools.ToolCallReader("named", name="get_weather"), arguments, 4) == (
-        "",
-        [("get_weather", arguments)],
-    )
-    assert named.message("  ") == ("", [])
+    assert [c["function"]["name"] for c in one.message(text)[1]] == ["get_time"]
+    streamed = tools.ToolCallReader("auto", parallel_tool_calls=False)
+    deltas = [streamed.feed(text[at : at + 4]) for at in range(0, len(text), 4)]
+    assert {call["index"] for d in deltas if d for call in d.get("tool_calls", [])} == {0}
+    assert one.finish_reason("stop", calls=0, streamed=False) == "tool_calls"  # required: vLLM's
+    assert tools.ToolCallReader("named").finish_reason("stop", calls=1, streamed=True) == "stop"
 
 
 def test_tool_calls_through_the_app_streamed_and_not(gateway):
@@ -1240,15 +1257,15 @@ def test_tool_calls_through_the_app_streamed_and_not(gateway):
     assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
         ("get_weather", '{"city": "Oslo"}')
     ]
-    assert json.loads(backend.requests[0]["sampling_parameters"][0])["skip_special_tokens"] is False
+    sampling = json.loads(backend.requests[0]["sampling_parameters"][0])
+    assert sampling["tools"] == [WEATHER] and sampling["tool_choice"] == "auto"
 
     chunks = list(client.chat.completions.create(**request, stream=True))
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
-    assert content == "Checking." and [(t.index, t.function.name, t.function.arguments) for t in calls] == [
-        (0, "get_weather", '{"city": "Oslo"}')
-    ]
-    assert calls[0].id.startswith("chatcmpl-tool-")
+    joined = ("".join(t.function.name or "" for t in calls), "".join(t.function.arguments or "" for t in calls))
+    assert content == "Checking." and joined == ("get_weather", '{"city": "Oslo"}')
+    assert {t.index for t in calls} == {0} and calls[0].id.startswith("chatcmpl-tool-")
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
     none = client.chat.completions.create(**request, tool_choice="none")

@@ -19,7 +19,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from utils import (
@@ -38,6 +40,7 @@ from utils import (
     assert_meets_constraint,
     assert_prompt_logprobs_equal,
     generated_after_cancel,
+    send_tensors,
 )
 from utils import client as triton_client
 from utils import sampling as _sampling
@@ -250,6 +253,93 @@ def test_multi_turn_conversation_with_an_image_in_an_earlier_turn(server, refere
     # ... and the earlier turns count: the last turn alone gives another prompt
     alone = sdk.chat.completions.create(model="mm_ensemble", messages=messages[-1:], **GREEDY)
     assert alone.usage.prompt_tokens < reply.usage.prompt_tokens
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Oslo|Rome)"\}\}\n</tool_call>'
+TOOL_CHOICES: dict[str, dict[str, Any]] = {
+    "named": {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    "required": {"tool_choice": "required", "parallel_tool_calls": False},  # one call, then the end
+    "auto": {"tool_choice": "auto", "structured_outputs": {"regex": HERMES_CALL}},  # made to call
+}
+
+
+@pytest.mark.parametrize("choice", TOOL_CHOICES)
+def test_tool_calls_are_the_engines_calls(server, sdk, tiny_models, choice):
+    """A tool call of each kind through the gateway (the SDK, whole and streamed) is what vLLM's own
+    hermes parser reads in the engine's text for the same conversation through ``mm_ensemble``;
+    required and named calls are held to the tools by the engine (the text is a call of one of them)."""
+    from transformers import AutoTokenizer
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+
+    fields = TOOL_CHOICES[choice]
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "What is the weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+    ]
+    request: dict[str, Any] = {
+        "model": "mm_ensemble",
+        "messages": messages,
+        "tools": [WEATHER, TIME],
+        "max_tokens": 160,
+        "temperature": 0.0,
+    }
+    sampling = {"max_tokens": 160, "temperature": 0.0, "tools": [WEATHER, TIME], **fields}
+    hf_messages = [
+        messages[0],
+        {
+            **messages[1],
+            "content": [],
+            "tool_calls": [{**messages[1]["tool_calls"][0], "function": {"name": "get_time", "arguments": {}}}],
+        },
+        messages[2],
+    ]
+    tensors = {
+        "messages": np.array([json.dumps(hf_messages).encode()], dtype=np.object_),
+        "tools": np.array([json.dumps([WEATHER, TIME]).encode()], dtype=np.object_),
+        "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=np.object_),
+        "stream": np.array([False]),
+        "return_finish_reason": np.array([True]),
+    }
+    (reference,) = send_tensors(server, "mm_ensemble", tensors)
+    vllm_request = ChatCompletionRequest.model_validate({**request, **fields})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen2_5_omni"])
+    found = Hermes2ProToolParser(tokenizer, vllm_request.tools).extract_tool_calls(reference.text, vllm_request)
+    assert found.tools_called and reference.finish_reason == "stop", reference  # a call, and the end
+    expected = [(c.function.name, c.function.arguments) for c in found.tool_calls]
+    if choice != "auto":
+        assert {name for name, _ in expected} <= {"get_weather", "get_time"}
+        assert choice == "required" or {name for name, _ in expected} == {"get_weather"}
+
+    extra = {"structured_outputs": fields["structured_outputs"]} if "structured_outputs" in fields else {}
+    options = {key: value for key, value in fields.items() if key != "structured_outputs"}
+    reply = sdk.chat.completions.create(**request, **options, extra_body=extra)
+    message = reply.choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == expected
+    assert reply.choices[0].finish_reason == ("stop" if choice == "named" else "tool_calls")
+    assert message.content in ("", None) and found.content in ("", None)
+
+    chunks = sdk.chat.completions.create(**request, **options, extra_body=extra, stream=True)
+    joined: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            name, arguments = joined.setdefault(call.index, ["", ""])
+            joined[call.index] = [name + (call.function.name or ""), arguments + (call.function.arguments or "")]
+    assert [tuple(joined[k]) for k in sorted(joined)] == expected
 
 
 def test_stream_chunks_concatenate_to_the_full_text(references, sdk):

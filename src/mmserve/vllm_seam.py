@@ -259,6 +259,36 @@ def structured_outputs_error(engine: AsyncLLM, params: Any) -> str | None:
     return None
 
 
+def tool_call_params(engine: AsyncLLM, parser: str, params: Any, tool_calling: Any) -> Any:
+    """``params`` (``SamplingParams``) as ``vllm serve --enable-auto-tool-choice --tool-call-parser
+    <parser>`` sets them for a chat request with ``tool_calling``'s tools (``sampling.ToolCalling``):
+    vLLM's own parser adjusts an equivalent ``ChatCompletionRequest`` (the structural tag that holds
+    required and named calls to the tools' format and schemas, ``skip_special_tokens``), and its
+    result replaces the request's constraint. Raises vLLM's ``ValueError`` for tools it refuses."""
+    import dataclasses
+
+    import msgspec
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser import ParserManager
+
+    constraint = params.structured_outputs
+    request = ChatCompletionRequest(
+        model="mm",
+        messages=[{"role": "user", "content": ""}],
+        tools=tool_calling.tools,
+        tool_choice=tool_calling.tool_choice,
+        parallel_tool_calls=tool_calling.parallel_tool_calls,
+        structured_outputs=None if constraint is None else dataclasses.asdict(constraint),
+        skip_special_tokens=params.skip_special_tokens,
+    )
+    parser_class = ParserManager.get_parser(tool_parser_name=parser, enable_auto_tools=True, tokenizer=engine.tokenizer)
+    assert parser_class is not None
+    request = parser_class(engine.tokenizer, request.tools).adjust_request(request)
+    return msgspec.structs.replace(
+        params, structured_outputs=request.structured_outputs, skip_special_tokens=request.skip_special_tokens
+    )
+
+
 def engine_core_pids(engine: AsyncLLM) -> list[int]:
     """Process ids of the engine's live core process(es); empty once they are gone (or in-process)."""
     manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)

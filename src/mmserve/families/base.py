@@ -183,6 +183,9 @@ class FamilySpec:
     vllm_model: str
     """``"module:Class"`` of the stock vLLM model the pass-through class derives from."""
     modalities: tuple[ModalitySpec, ...]
+    tool_call_parser: str = "hermes"
+    """vLLM's tool call parser for the family's format (``vllm serve --tool-call-parser``): how a
+    tool call is written (``<tool_call>{...}</tool_call>`` for the Qwen families), constrained and read."""
 
     def modality(self, name: str) -> ModalitySpec | None:
         return next((m for m in self.modalities if m.modality == name), None)

@@ -423,8 +423,7 @@ class _Answer:
 
 def _tool_events(answer: _Answer, choice: _Choice, delta: Delta) -> list[bytes]:
     """The events of one response of a choice whose text is read for tool calls: the content and
-    calls it completes (``tools.ToolCallReader``), then, when it is the last, the rest and the
-    finish reason."""
+    calls it brings (``tools.ToolCallReader``), then, when it is the last, the finish reason."""
     assert choice.tools is not None
     entries = answer.add(choice.index, delta)
     message = choice.tools.feed(delta.text)
@@ -433,9 +432,7 @@ def _tool_events(answer: _Answer, choice: _Choice, delta: Delta) -> list[bytes]:
     if message is not None or entries or token_ids:
         events.append(_sse(answer.chunk(message or {}, index=choice.index, logprobs=entries, token_ids=token_ids)))
     if choice.finish_reason is not None:
-        if (rest := choice.tools.finish()) is not None:
-            events.append(_sse(answer.chunk(rest, index=choice.index)))
-        reason = choice.tools.finish_reason(choice.finish_reason, calls=choice.tools.calls, streamed=True)
+        reason = choice.tools.finish_reason(choice.finish_reason, calls=choice.tools.calls_sent, streamed=True)
         events.append(_sse(answer.chunk({}, index=choice.index, finish_reason=reason)))
     return events
 

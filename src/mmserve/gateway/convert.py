@@ -198,7 +198,7 @@ def sampling_parameters(request: ChatCompletionRequest, choice: int = 0) -> dict
         structured["json"] = response_format.json_schema.schema_
     if structured:
         params["structured_outputs"] = structured
-    params.update(tools.sampling(request))  # required and named calls: their schema replaces the above
+    params.update(tools.sampling(request))  # mm_llm constrains the calls as vLLM's server does
     return params
 
 

@@ -33,7 +33,7 @@ from mmserve.families.base import WireDecoder
 from mmserve.inputs import family_of_checkpoint, processed_prompt, read_engine_config
 from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
 from mmserve.serving.outbox import Outbox
-from mmserve.serving.sampling import STRUCTURED_KINDS, parse_generation_parameters
+from mmserve.serving.sampling import STRUCTURED_KINDS, ToolCalling, parse_generation_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,8 @@ class GenerateRequest:
     text_input: str | None = None
     stream_flush_ms: float | None = None
     """The request's own ``stream_flush_ms`` (``sampling_parameters``); None: the model's."""
+    tool_calling: ToolCalling | None = None
+    """The request's tools (``sampling_parameters``): the engine's constraint of its calls."""
 
     @property
     def stream(self) -> bool:
@@ -177,6 +179,7 @@ def parse_request(
         flags=flags,
         text_input=first_string(get("text_input"), "text_input"),
         stream_flush_ms=sampling.stream_flush_ms,
+        tool_calling=sampling.tool_calling,
     )
 
 
@@ -445,6 +448,10 @@ class LLMService:
             if entry.stopping:  # stopped before it ran: answered below like any stopped request
                 raise asyncio.CancelledError
             last: RequestOutput | None = None
+            if request.tool_calling is not None:  # vLLM's own constraint of the calls, as vllm serve's
+                request.sampling_params = vllm_seam.tool_call_params(
+                    self.runner.engine, self.family.tool_call_parser, request.sampling_params, request.tool_calling
+                )
             async for output in self.runner.stream(request.prompt, request.sampling_params, request_id):
                 self._last_progress = time.monotonic()
                 if cancelled.is_set():  # the client is gone: nothing more to say
@@ -477,7 +484,8 @@ class LLMService:
                 error = public_error(exc)
             elif detail := vllm_seam.structured_outputs_error(self.runner.engine, request.sampling_params):
                 constraint = request.sampling_params.structured_outputs
-                kind = next(k for k in STRUCTURED_KINDS if getattr(constraint, k, None) is not None)
+                kinds = (*STRUCTURED_KINDS, "structural_tag")  # the tag: of tool calls (ToolCalling)
+                kind = next(k for k in kinds if getattr(constraint, k, None) is not None)
                 error = public_error(InputError(f"sampling_parameters: structured_outputs.{kind}: {detail}"))
             else:
                 error = public_error(InputError(str(exc)))

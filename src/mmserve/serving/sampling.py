@@ -314,12 +314,53 @@ SUPPORTED: dict[str, Converter] = {
 (extra_args, output_kind, detokenize, prompt_logprobs, ...) is refused."""
 
 MAX_STREAM_FLUSH_MS = 1000.0
+MAX_TOOLS = 128
+
+
+def _tools(name: str, value: Any) -> list[dict[str, Any]]:
+    """OpenAI function tools: ``[{"type": "function", "function": {"name", ...}}]`` (vLLM checks the rest)."""
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_TOOLS:
+        raise _error(name, f"a non-empty list of at most {MAX_TOOLS} tools", value)
+    for i, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise _error(f"{name}[{i}]", '{"type": "function", "function": {"name": ..., "parameters": ...}}', tool)
+    if len(json.dumps(value)) > MAX_STRUCTURE_CHARS:
+        raise _error(name, f"tools of at most {MAX_STRUCTURE_CHARS} characters of JSON", value)
+    return value
+
+
+def _tool_choice(name: str, value: Any) -> str | dict[str, Any]:
+    if value in ("none", "auto", "required"):
+        return value
+    function = value.get("function") if isinstance(value, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise _error(name, '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}', value)
+    return value
+
+
 EXTENSIONS: dict[str, Converter] = {
     "stream_flush_ms": _float(0.0, MAX_STREAM_FLUSH_MS),
+    "tools": _tools,
+    "tool_choice": _tool_choice,
+    "parallel_tool_calls": _bool,
 }
 """Fields of this server beside vLLM's (not ``SamplingParams`` fields): ``stream_flush_ms``, a
 stream's shortest interval between two responses after its first (``mm_llm``'s parameter of the
-same name is the default; 0: one response per engine output)."""
+same name is the default; 0: one response per engine output); ``tools``, ``tool_choice``
+(``auto`` when tools are given) and ``parallel_tool_calls``, OpenAI's: the tool calls the output
+is held to, as ``vllm serve --enable-auto-tool-choice --tool-call-parser <the family's>`` holds
+it (``ToolCalling``; the tools reach the chat template through ``preprocess``'s ``tools`` input)."""
+
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """A request's tools, for the engine's constraint of its calls (``vllm_seam.tool_call_params``)."""
+
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool | None = None
+
 
 NULLABLE = frozenset(
     {
@@ -351,6 +392,7 @@ class GenerationParameters:
 
     params: SamplingParams
     stream_flush_ms: float | None = None
+    tool_calling: ToolCalling | None = None
 
 
 def parse_sampling_parameters(text: str | None, *, stream: bool, logprobs: bool) -> SamplingParams:
@@ -400,7 +442,16 @@ def parse_generation_parameters(text: str | None, *, stream: bool, logprobs: boo
     except Exception as exc:  # last resort: whatever else vLLM raises here is about these values
         raise InputError(f"{PREFIX}{type(exc).__name__}: {exc}") from None
     check_engine_transport(params)
-    return GenerationParameters(params, **extensions)
+    return GenerationParameters(params, extensions.get("stream_flush_ms"), _tool_calling(extensions))
+
+
+def _tool_calling(extensions: dict[str, Any]) -> ToolCalling | None:
+    tools, choice = extensions.get("tools"), extensions.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise InputError(f"{PREFIX}tool_choice: {choice!r} needs tools")
+        return None
+    return ToolCalling(tools, choice or "auto", extensions.get("parallel_tool_calls"))
 
 
 # -- the guard -----------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def parse_messages(raw: str | bytes, *, max_messages: int) -> Conversation:
         if role == "tool":
             extra["tool_call_id"] = _tool_call_id(where, message.get("tool_call_id"))
         content = message["content"]
-        if content is None and "tool_calls" in extra:
+        if content in (None, []) and "tool_calls" in extra:
             messages.append({"role": role, "content": [], **extra})  # vLLM's form of a call without text
             continue
         if role == "tool" and isinstance(content, list):
