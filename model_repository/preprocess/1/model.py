@@ -3,7 +3,8 @@
 Inputs : text_input (BYTES [1], UTF-8), or messages (BYTES [1], a conversation as UTF-8 JSON);
          optional image (BYTES [n], encoded files or data URLs), audio (BYTES [n], encoded files or
          data URLs), audio_pcm (FP32 [samples], one mono clip) with audio_sample_rate (INT32 [1]),
-         apply_chat_template (BOOL [1], default true; not false with messages).
+         apply_chat_template (BOOL [1], default true; not false with messages), video (BYTES [n]),
+         tools (BYTES [1], with messages: the function tools for the chat template, JSON).
 Outputs: input_ids (INT64 [tokens], placeholders expanded), pixel_values, image_grid_thw,
          input_features, feature_attention_mask (empty when the request has no such media).
 

@@ -18,14 +18,17 @@ Contract
   times the video by it); in the user turn after the images.
 * ``messages``: a whole conversation instead of ``text`` (which must then be empty, and
   ``apply_chat_template`` true): UTF-8 JSON (``str`` or ``bytes``), an array of
-  ``{"role": "system"|"user"|"assistant", "content": <string> | [<part>, ...]}`` with parts
+  ``{"role": "system"|"user"|"assistant"|"tool", "content": <string> | [<part>, ...]}`` (an
+  assistant's ``tool_calls``, a tool's ``tool_call_id`` beside: ``messages``) with parts
   ``{"type": "text", "text": <string>}``, ``{"type": "image"}``, ``{"type": "audio"}``, ``{"type": "video"}``. No other key
   is accepted anywhere (the chat templates read any ``image``/``audio``/``text`` key as a part of
   that kind); media parts only in user messages; an array content is non-empty; the last message
-  is the user's (the prompt ends with the generation prompt: the model answers it). The media
+  is the user's or a tool's (the prompt ends with the generation prompt: the model answers it). The media
   parts refer, in order of appearance across the whole conversation, to ``images`` (image parts)
   and to the clips (audio parts: ``audios``, then ``pcm``), and their counts must match. The model's
   chat template renders the conversation, the parts in their order.
+* ``tools``: with ``messages``, the function tools (UTF-8 JSON array of OpenAI tools) the chat
+  template is given (``apply_chat_template(tools=...)``).
 
 Over JSON transports (Triton's HTTP generate endpoint) bytes can't travel, so a media element may
 also be a ``data:<mime>;base64,<...>`` URL.
