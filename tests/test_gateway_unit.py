@@ -288,6 +288,33 @@ def test_sampling_defaults_and_aliases():
     assert params == {"max_tokens": 7, "logprobs": 0}
 
 
+def test_vllms_sampling_extensions_pass_through_and_the_others_say_why_not():
+    """vLLM's chat extensions that are sampling parameters reach mm_llm as vLLM names them; those
+    this chain doesn't take are refused with the reason, not as unknown fields."""
+    extensions = {
+        "stop_token_ids": [5, 6],
+        "bad_words": ["no"],
+        "allowed_token_ids": [1, 2, 3],
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+        "stream_interval": 4,
+    }
+    params = convert.sampling_parameters(protocol.parse_request(body(user("Hi"), echo=True, **extensions)))
+    assert {key: params[key] for key in extensions} == extensions
+    for field, value, why in [
+        ("chat_template", "{{ x }}", "model's own chat template"),
+        ("continue_final_message", True, "ends with a user or tool message"),
+        ("use_beam_search", True, "beam search"),
+        ("mm_processor_kwargs", {"fps": 2}, "deployment's settings"),
+        ("kv_transfer_params", {"a": 1}, "not served by this gateway"),
+    ]:
+        with pytest.raises(errors.APIError) as info:
+            protocol.parse_request(body(user("Hi"), **{field: value}))
+        assert info.value.param == field and why in info.value.message and info.value.code == "unsupported"
+    protocol.parse_request(body(user("Hi"), add_generation_prompt=True, use_beam_search=False, include_reasoning=True))
+
+
 SCHEMA = {"type": "object", "properties": {"color": {"type": "string"}}, "required": ["color"]}
 
 

@@ -180,6 +180,13 @@ def sampling_parameters(request: ChatCompletionRequest, choice: int = 0) -> dict
         "logit_bias",
         "min_tokens",
         "ignore_eos",
+        "stop_token_ids",
+        "bad_words",
+        "allowed_token_ids",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "stream_interval",
     ):
         value = getattr(request, name)
         if value is not None:

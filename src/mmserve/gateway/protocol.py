@@ -16,8 +16,11 @@ that names the field, never silently dropped:
   ``temperature``, ``top_p``, ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``,
   ``logit_bias``, ``n`` (up to ``MAX_N`` choices, each its own request on the engine, seeded
   ``seed + index`` as vLLM seeds its parallel samples), ``logprobs``/``top_logprobs``, vLLM's ``prompt_logprobs`` (not streamed, as vLLM); vLLM's extensions ``top_k``,
-  ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``. Ranges are the engine's
-  (``mmserve.serving.sampling``), checked there and answered 400.
+  ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+  ``bad_words``, ``allowed_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+  ``spaces_between_special_tokens``, ``stream_interval``; ``echo`` (vLLM echoes a last assistant
+  message; a conversation here ends with a user's or a tool's: nothing to echo). Ranges are the
+  engine's (``mmserve.serving.sampling``), checked there and answered 400.
 * structured output: ``response_format`` (``text``, ``json_object``, ``json_schema`` with its
   ``schema``; ``strict`` accepted: the output follows the schema either way) and vLLM's
   ``structured_outputs`` extension (one of ``json``, ``regex``, ``choice``, ``grammar``,
@@ -32,7 +35,9 @@ that names the field, never silently dropped:
   ``prompt_cache_key``, ``service_tier`` (``IGNORED``), and the fields of ``UNSUPPORTED`` at their
   defaults (``modalities: ["text"]``, ``store: false``, ...).
 * refused: the legacy ``functions``/``function_call``, audio output, predicted outputs, web search,
-  reasoning effort, stored completions (``UNSUPPORTED``), any other field (``unknown_field``).
+  reasoning effort, stored completions, and vLLM's extensions this chain doesn't take (a chat
+  template or processor settings per request, truncation, beam search, reasoning, disaggregation,
+  ...), each with its reason (``UNSUPPORTED``); any other field (``unknown_field``).
 """
 
 from __future__ import annotations
@@ -205,6 +210,14 @@ class ChatCompletionRequest(_Strict):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    stream_interval: int | None = None
+    echo: bool | None = None  # vLLM echoes a last assistant message: a conversation here ends with a user's or tool's
     return_token_ids: bool | None = None  # each choice (each chunk's, streamed) carries its token ids
     structured_outputs: dict[str, Any] | None = None  # vLLM's constraints, checked by mm_llm's parser
     response_format: ResponseFormat | None = None
@@ -239,8 +252,50 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "reasoning_effort": (_default(), "reasoning_effort is not supported by this model"),
     "verbosity": (_default(), "verbosity is not supported by this model"),
     "store": (_default(False), "stored completions are not supported by this server"),
+    # vLLM's extensions of the chat API that this chain does not take
+    **dict.fromkeys(
+        ("chat_template", "chat_template_kwargs", "documents"),
+        (_default(), "preprocess renders every conversation with the model's own chat template"),
+    ),
+    "add_generation_prompt": (_default(True), "the prompt always ends with the generation prompt"),
+    "continue_final_message": (_default(False), "a conversation ends with a user or tool message"),
+    "add_special_tokens": (_default(False), "the chat template places the special tokens"),
+    **dict.fromkeys(
+        ("mm_processor_kwargs", "media_io_kwargs"),
+        (_default(), "preprocess runs the model's processor with its deployment's settings (config.pbtxt)"),
+    ),
+    **dict.fromkeys(
+        ("truncate_prompt_tokens", "truncation_side"),
+        (_default(), "prompts are not truncated here: one over the context is refused"),
+    ),
+    "use_beam_search": (_default(False), "beam search is not served"),
+    "length_penalty": (_default(1.0), "beam search is not served"),
+    "include_reasoning": (_default(True), "these models have no reasoning parser"),
+    "thinking_token_budget": (_default(), "these models have no reasoning parser"),
+    **dict.fromkeys(
+        (
+            "kv_transfer_params",
+            "ec_transfer_params",
+            "priority",
+            "cache_salt",
+            "request_id",
+            "session_id",
+            "vllm_xargs",
+            "logprob_token_ids",
+            "return_tokens_as_token_ids",
+            "return_token_offsets",
+            "return_prompt_text",
+            "return_mm_kwargs",
+            "mm_payload",
+            "watermarking",
+            "repetition_detection",
+            "routed_experts_prompt_start",
+        ),
+        (_default(), "this vLLM extension is not served by this gateway"),
+    ),
 }
-"""OpenAI fields the gateway knows but can't honour: (value that is harmless, why it is refused)."""
+"""Fields the gateway knows but can't honour (OpenAI's, then vLLM's extensions): (value that is
+harmless, why it is refused)."""
 
 
 def parse_request(body: Any) -> ChatCompletionRequest:
