@@ -152,6 +152,16 @@ _SIGNATURES = {
         "structured_outputs_config",
         "tokenizer",
     ),
+    ("vllm.parser.parser_manager", "ParserManager", "get_parser"): (
+        "tool_parser_name",
+        "reasoning_parser_name",
+        "enable_auto_tools",
+        "model_name",
+        "is_harmony",
+        "tool_strict_level",
+        "tokenizer",
+    ),
+    ("vllm.parser.abstract_parser", "Parser", "adjust_request"): ("self", "request"),
     ("vllm.v1.metrics.loggers", "StatLoggerManager", "__init__"): (
         "self",
         "vllm_config",
