@@ -146,7 +146,7 @@ def outcome(status: int, answer: Any, stream: bool) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args(argv)
     from mmserve_dev.triton import TritonServer
 

@@ -23,8 +23,9 @@ with base64 media, or preprocessing), its TTFT ends at the first response with a
 at the last; the intervals between a stream's responses are recorded too. Per run, the CPU time of
 each system's serving processes (engine core and workers excluded) is measured.
 
-Workloads ``text``, ``image`` (one 448x448 PNG), ``audio`` (one 3 s WAV, 16 kHz mono) and
-``image+audio``; concurrency 1, 4 and 16 (closed loop); greedy decoding of 32 tokens
+Workloads ``text``, ``image`` (one 448x448 PNG), ``audio`` (one 3 s WAV, 16 kHz mono),
+``image+audio`` and ``video`` (one MP4 of 8 448x448 frames, for models that take video);
+concurrency 1, 4 and 16 (closed loop); greedy decoding of 32 tokens
 (``ignore_eos``), streamed (``--no-stream``: one response per request). Every request has media
 and text of its own (seeded), made before its run; the order of the systems rotates from cell to
 cell; each run starts ``--settle`` (1.2 s) after the previous one. Caches: ``--caches shipped``
@@ -128,8 +129,17 @@ SYSTEM_SEED_STRIDE = 1_000_000
 """With the shipped caches, system k's requests are seeded ``seed + k * SYSTEM_SEED_STRIDE``: no
 system is served from what another left in a cache (the Triton systems share one engine)."""
 
-WORKLOADS: dict[str, tuple[int, int]] = {"text": (0, 0), "image": (1, 0), "audio": (0, 1), "image+audio": (1, 1)}
-"""Workload -> (images, audio clips) per request."""
+WORKLOADS: dict[str, tuple[int, int, int]] = {
+    "text": (0, 0, 0),
+    "image": (1, 0, 0),
+    "audio": (0, 1, 0),
+    "image+audio": (1, 1, 0),
+    "video": (0, 0, 1),
+}
+"""Workload -> (images, audio clips, videos) per request."""
+VIDEO_FRAMES = 8
+"""Frames of a video workload's clip (MPEG-4 in MP4 at ``mmserve_dev.samples.VIDEO_FPS``, as the
+README's example clip), at ``--image-size``."""
 QUESTIONS = ("Describe what you get.", "What is in there?", "Summarize the input.", "Tell me more.")
 
 BENCH_ENGINE_ARGS: dict[str, Any] = {
@@ -300,8 +310,8 @@ def parse_settings(argv: Sequence[str]) -> Settings:
     takes = {spec.modality for spec in family_of_checkpoint(engine_args["model"]).modalities}
     usable = [
         w
-        for w, (images, audios) in WORKLOADS.items()
-        if (not images or "image" in takes) and (not audios or "audio" in takes)
+        for w, (images, audios, videos) in WORKLOADS.items()
+        if (not images or "image" in takes) and (not audios or "audio" in takes) and (not videos or "video" in takes)
     ]
     if args.workloads and set(args.workloads) - set(usable):
         parser.error(
@@ -364,18 +374,28 @@ class Request:
     text: str
     images: tuple[bytes, ...] = ()  # PNG files
     audios: tuple[bytes, ...] = ()  # WAV files
+    videos: tuple[bytes, ...] = ()  # MP4 files
+
+    @property
+    def media_bytes(self) -> int:
+        return sum(map(len, (*self.images, *self.audios, *self.videos)))
 
 
 def make_request(workload: str, seed: int, settings: Settings) -> Request:
     """A request with its own text and media, all derived from ``seed``."""
-    from mmserve_dev.samples import encode_audio, encode_image, sample_audio, sample_image
+    from mmserve_dev.samples import encode_audio, encode_image, encode_video, sample_audio, sample_image, sample_video
 
-    images, audios = WORKLOADS[workload]
+    images, audios, videos = WORKLOADS[workload]
+    size = settings.image_size
     return Request(
         seed=seed,
         text=f"{QUESTIONS[seed % len(QUESTIONS)]} (request {seed})",
-        images=tuple(encode_image(sample_image(seed * 8 + k, size=settings.image_size)) for k in range(images)),
+        images=tuple(encode_image(sample_image(seed * 8 + k, size=size)) for k in range(images)),
         audios=tuple(encode_audio(sample_audio(seed * 8 + k, seconds=settings.audio_seconds)) for k in range(audios)),
+        videos=tuple(
+            encode_video(sample_video(seed * 8 + k, frames=VIDEO_FRAMES, size=size), codec="mpeg4", fmt="mp4")
+            for k in range(videos)
+        ),
     )
 
 
@@ -522,7 +542,9 @@ class Preprocessing:
         torch.set_num_threads(threads_per_instance("auto", threads))
 
     async def __call__(self, request: Request) -> dict[str, np.ndarray]:
-        call = functools.partial(self.preprocessor, request.text, images=request.images, audios=request.audios)
+        call = functools.partial(
+            self.preprocessor, request.text, images=request.images, audios=request.audios, videos=request.videos
+        )
         return await asyncio.get_running_loop().run_in_executor(self.pool, call)
 
     def __enter__(self) -> Preprocessing:
@@ -539,6 +561,8 @@ async def raw_tensors(request: Request) -> dict[str, np.ndarray]:
         tensors["image"] = np.array(request.images, dtype=np.object_)
     if request.audios:
         tensors["audio"] = np.array(request.audios, dtype=np.object_)
+    if request.videos:
+        tensors["video"] = np.array(request.videos, dtype=np.object_)
     return tensors
 
 
@@ -577,7 +601,7 @@ class TritonSystem(System):
 
 
 def chat_content(request: Request) -> list[dict[str, Any]]:
-    """The user turn as ``Preprocessor.chat_prompt`` lays it out: images, then audio clips, then text."""
+    """The user turn as ``Preprocessor.chat_prompt`` lays it out: images, videos, audio clips, text."""
 
     def b64(data: bytes) -> str:
         return base64.b64encode(data).decode()
@@ -585,6 +609,7 @@ def chat_content(request: Request) -> list[dict[str, Any]]:
     content: list[dict[str, Any]] = [
         {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(image)}"}} for image in request.images
     ]
+    content += [{"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{b64(v)}"}} for v in request.videos]
     content += [
         {"type": "input_audio", "input_audio": {"data": b64(audio), "format": "wav"}} for audio in request.audios
     ]
@@ -1285,8 +1310,8 @@ def wire_bytes(settings: Settings) -> dict[str, dict[str, int]]:
     table: dict[str, dict[str, int]] = {}
     for workload in settings.workloads:
         request = make_request(workload, 1, settings)
-        raw = len(request.text.encode()) + sum(map(len, request.images)) + sum(map(len, request.audios))
-        outputs = preprocessor(request.text, images=request.images, audios=request.audios)
+        raw = len(request.text.encode()) + request.media_bytes
+        outputs = preprocessor(request.text, images=request.images, audios=request.audios, videos=request.videos)
         wire = sum(a.nbytes for a in outputs.values())
         features = sum(a.nbytes for a in preprocessor.decode_wire(outputs).values())
         as_json = len(json.dumps(chat_content(request)))
@@ -1333,12 +1358,14 @@ def bytes_table(table: Mapping[str, Mapping[str, int]], settings: Settings) -> s
 
 
 def describe_workload(workload: str, settings: Settings) -> str:
-    images, audios = WORKLOADS[workload]
+    images, audios, videos = WORKLOADS[workload]
     parts = ["prompt"]
     if images:
         parts.append(f"{images} image {settings.image_size[0]}x{settings.image_size[1]} PNG")
     if audios:
         parts.append(f"{audios} clip {settings.audio_seconds:g} s WAV 16 kHz mono")
+    if videos:
+        parts.append(f"{videos} video of {VIDEO_FRAMES} frames {settings.image_size[0]}x{settings.image_size[1]} MP4")
     return " + ".join(parts)
 
 
@@ -1461,7 +1488,7 @@ percent as noise.
 | caches | {caches} |
 | responses | {mode}; `mm_llm`'s `stream_flush_ms`: {flush} |
 | requests | {requests} |
-| media | new per request (seeded): images {image_size} PNG, clips {audio_seconds:g} s WAV 16 kHz mono; prompts differ too |
+| media | new per request (seeded): images {image_size} PNG, clips {audio_seconds:g} s WAV 16 kHz mono, videos of 8 frames {image_size} MP4; prompts differ too |
 
 ## Correctness
 

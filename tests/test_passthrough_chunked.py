@@ -32,3 +32,43 @@ def test_chunked_prefill_concurrent_matches_reference(chunked_engine, omni_workl
     outputs = chunked_engine.submit(run_concurrently(chunked_engine, prompts, stagger_s=0.03)).result()
     mismatches = [r.name for (r, ref), out in zip(omni_workload, outputs, strict=True) if out != ref]
     assert not mismatches, f"differ from their single-request reference: {mismatches}"
+
+
+def test_videos_under_chunked_prefill_and_prefix_caching_match_hf(chunked_engine, omni_reference):
+    """Omni videos through the chunked engine, all in flight together: different videos of the
+    same length, one of them twice (its second prefill hits the prefix cache), processed (the
+    pass-through) and raw (vLLM's own processing of the frames, the same engine) = HF transformers
+    on the frames, each alone."""
+    from mmserve.families import get_family
+    from mmserve.inputs import processed_prompt
+    from mmserve_dev.hf_reference import chat_prompt
+    from mmserve_dev.samples import VIDEO_FPS, sample_video
+
+    from utils import hf_on_frames, hf_video_tokens
+
+    family = get_family("qwen2_5_omni")
+    videos = [sample_video(31 + i, frames=6) for i in range(3)]
+    text = chat_prompt("qwen2_5_omni", omni_reference.processor, ["video", "text:What happens?"])
+    expected = [hf_video_tokens(omni_reference, text, [video]) for video in videos]
+
+    def processed_video(video):
+        inputs = hf_on_frames(omni_reference.processor, text, [], [video])
+        return processed_prompt(family, inputs["input_ids"][0], inputs)
+
+    def raw_video(video):
+        frames, height, width = video.shape[:3]
+        metadata = {
+            "fps": float(VIDEO_FPS),
+            "total_num_frames": frames,
+            "frames_indices": list(range(frames)),
+            "duration": frames / VIDEO_FPS,
+            "height": height,
+            "width": width,
+            "video_backend": "opencv",
+        }
+        return {"prompt": text, "multi_modal_data": {"video": [(video, metadata)]}}
+
+    prompts = [processed_video(v) for v in videos] + [processed_video(videos[0]), raw_video(videos[1])]
+    assert all(len(p["prompt_token_ids"]) > 2 * CHUNK for p in prompts[:3])
+    outputs = chunked_engine.submit(run_concurrently(chunked_engine, prompts, stagger_s=0.03)).result()
+    assert outputs == [*expected, expected[0], expected[1]]
