@@ -34,26 +34,29 @@ def test_chunked_prefill_concurrent_matches_reference(chunked_engine, omni_workl
     assert not mismatches, f"differ from their single-request reference: {mismatches}"
 
 
-def test_videos_under_chunked_prefill_and_prefix_caching_match_hf(chunked_engine, omni_reference):
+def test_videos_under_chunked_prefill_and_prefix_caching_match_hf(chunked_engine, omni_reference, tiny_models):
     """Omni videos through the chunked engine, all in flight together: different videos of the
     same length, one of them twice (its second prefill hits the prefix cache), processed (the
     pass-through) and raw (vLLM's own processing of the frames, the same engine) = HF transformers
-    on the frames, each alone."""
+    on the frames, each alone. The videos travel as lossless files (``preprocess`` decodes them)."""
     from mmserve.families import get_family
     from mmserve.inputs import processed_prompt
+    from mmserve.serving.preprocess import Preprocessor
     from mmserve_dev.hf_reference import chat_prompt
-    from mmserve_dev.samples import VIDEO_FPS, sample_video
+    from mmserve_dev.samples import VIDEO_FPS, encode_video, sample_video
 
-    from utils import hf_on_frames, hf_video_tokens
+    from utils import hf_video_tokens
 
     family = get_family("qwen2_5_omni")
     videos = [sample_video(31 + i, frames=6) for i in range(3)]
     text = chat_prompt("qwen2_5_omni", omni_reference.processor, ["video", "text:What happens?"])
     expected = [hf_video_tokens(omni_reference, text, [video]) for video in videos]
 
+    preprocessor = Preprocessor(tiny_models["qwen2_5_omni"])
+
     def processed_video(video):
-        inputs = hf_on_frames(omni_reference.processor, text, [], [video])
-        return processed_prompt(family, inputs["input_ids"][0], inputs)
+        tensors = preprocessor.decode_wire(preprocessor("What happens?", videos=[encode_video(video)]))
+        return processed_prompt(family, tensors["input_ids"], tensors)
 
     def raw_video(video):
         frames, height, width = video.shape[:3]
