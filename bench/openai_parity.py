@@ -40,14 +40,9 @@ from peers import (
     triton_repository,
 )
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
+from mmserve_dev.samples import WEATHER_TOOL
+
+WEATHER = WEATHER_TOOL
 TIME = {
     "type": "function",
     "function": {

@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pytest
 
-from mmserve_dev.samples import AUDIO_SAMPLE_RATE, encode_audio, encode_image, sample_audio, sample_image
+from mmserve_dev.samples import AUDIO_SAMPLE_RATE, WEATHER_TOOL, encode_audio, encode_image, sample_audio, sample_image
 
 from utils import rejects
 
@@ -140,14 +140,7 @@ def test_media_follow_the_order_of_their_parts(preprocessor):
 
 
 # -- tool calls in the conversation, and the tools --------------------------------------------------------
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
+WEATHER = WEATHER_TOOL
 TOOL_TURNS = [
     user("image", "What is the weather where this was taken?"),
     {

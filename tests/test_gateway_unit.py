@@ -18,6 +18,7 @@ from mmserve import wire
 from mmserve.gateway import convert, errors, protocol
 from mmserve.gateway.app import GatewayConfig, create_app
 from mmserve.gateway.triton import Delta, delta_from
+from mmserve_dev.samples import WEATHER_TOOL
 
 PNG = b"\x89PNG\r\n\x1a\n fake image"
 WAV = b"RIFF\x00\x00\x00\x00WAVEfmt fake audio"
@@ -434,14 +435,7 @@ def test_media_size_limit():
     assert error.code == "media_too_large" and error.param == "messages[0].content[0].image_url.url"
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
+WEATHER = WEATHER_TOOL
 TIME = {"type": "function", "function": {"name": "get_time"}}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from mmserve_dev.samples import WEATHER_TOOL
+
 from utils import (
     COLOR_SCHEMA,
     MAX_TOKENS,
@@ -255,14 +257,7 @@ def test_multi_turn_conversation_with_an_image_in_an_earlier_turn(server, refere
     assert alone.usage.prompt_tokens < reply.usage.prompt_tokens
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
+WEATHER = WEATHER_TOOL
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Oslo|Rome)"\}\}\n</tool_call>'
 TOOL_CHOICES: dict[str, dict[str, Any]] = {

@@ -1,4 +1,4 @@
-"""Deterministic sample media for tests, benchmarks and the README's example client call."""
+"""Deterministic sample media (and a sample tool) for tests, benchmarks and the README's example client call."""
 
 from __future__ import annotations
 
@@ -78,3 +78,14 @@ def encode_video(frames: np.ndarray, fps: int = VIDEO_FPS, *, codec: str = "png"
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
     return out.getvalue()
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+"""A sample function tool (OpenAI's form), for the tool-calling tests and ``bench/openai_parity.py``."""
