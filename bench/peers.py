@@ -24,7 +24,7 @@ at the last; the intervals between a stream's responses are recorded too. Per ru
 each system's serving processes (engine core and workers excluded) is measured.
 
 Workloads ``text``, ``image`` (one 448x448 PNG), ``audio`` (one 3 s WAV, 16 kHz mono),
-``image+audio`` and ``video`` (one MP4 of 8 448x448 frames, for models that take video);
+``image+audio`` and, when asked for (``OPT_IN``), ``video`` (one lossless MOV of 8 448x448 frames);
 concurrency 1, 4 and 16 (closed loop); greedy decoding of 32 tokens
 (``ignore_eos``), streamed (``--no-stream``: one response per request). Every request has media
 and text of its own (seeded), made before its run; the order of the systems rotates from cell to
@@ -142,6 +142,10 @@ OWN_VIDEO_DECODING = frozenset({VLLM_SERVE, RENDER})
 """Systems whose server decodes a ``video_url`` and samples its frames itself (vLLM's video loader,
 OpenCV): their tokens on a video differ from the first one on, so the check leaves them out of the
 video workload's comparison (they still must give every token asked for)."""
+OPT_IN = frozenset({"video"})
+"""Workloads run only when asked for (``--workloads``): ``video``, since the in-process engine once
+stopped answering a video request (its worker silent for minutes, round 1 at concurrency 1,
+2026-12-05; not understood yet)."""
 VIDEO_FRAMES = 8
 """Frames of a video workload's clip (MPEG-4 in MP4 at ``mmserve_dev.samples.VIDEO_FPS``, as the
 README's example clip), at ``--image-size``."""
@@ -243,7 +247,7 @@ def argument_parser() -> argparse.ArgumentParser:
         nargs="+",
         choices=list(WORKLOADS),
         metavar="WORKLOAD",
-        help=f"of {', '.join(WORKLOADS)} (default: every one the checkpoint's family takes)",
+        help=f"of {', '.join(WORKLOADS)} (default: every one the checkpoint's family takes, but {', '.join(sorted(OPT_IN))})",
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="requests in flight")
     parser.add_argument("--rounds", type=int, default=2, help="passes over all (workload, concurrency) cells")
@@ -330,7 +334,7 @@ def parse_settings(argv: Sequence[str]) -> Settings:
     model_env = f"{MODEL.name}={shlex.quote(model)} " if model else ""
     return Settings(
         systems=tuple(s for s in SYSTEMS if s in args.systems),
-        workloads=tuple(w for w in WORKLOADS if w in (args.workloads or usable)),
+        workloads=tuple(w for w in WORKLOADS if w in (args.workloads or [u for u in usable if u not in OPT_IN])),
         concurrency=tuple(sorted(set(args.concurrency))),
         rounds=args.rounds,
         requests_per_slot=args.requests_per_slot,
