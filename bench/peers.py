@@ -1379,12 +1379,12 @@ def describe_workload(workload: str, settings: Settings) -> str:
     return " + ".join(parts)
 
 
-def check_text(found: Sequence[Mismatch], short: Sequence[tuple[Run, Outcome]], total: int, systems: int) -> str:
+def check_text(
+    found: Sequence[Mismatch], short: Sequence[tuple[Run, Outcome]], total: int, systems: int, video: bool = False
+) -> str:
     if not found and not short:
-        return (
-            f"OK: every one of the {total} requests gave the same greedy tokens on all {systems} systems"
-            f" (on video, those but {', '.join(sorted(OWN_VIDEO_DECODING))}: they sample the frames themselves)."
-        )
+        but = f" (on video, those but {', '.join(sorted(OWN_VIDEO_DECODING))}: they sample the frames themselves)"
+        return f"OK: every one of the {total} requests gave the same greedy tokens on all {systems} systems{but if video else ''}."
     lines = [
         f"FAILED: {len(found)} mismatch(es), {len(short)} short answer(s) out of {total} requests "
         "(each run on every system)."
@@ -1501,7 +1501,7 @@ percent as noise.
 | caches | {caches} |
 | responses | {mode}; `mm_llm`'s `stream_flush_ms`: {flush} |
 | requests | {requests} |
-| media | new per request (seeded): images {image_size} PNG, clips {audio_seconds:g} s WAV 16 kHz mono, videos of 8 frames {image_size} MP4; prompts differ too |
+| media | new per request (seeded): images {image_size} PNG, clips {audio_seconds:g} s WAV 16 kHz mono, videos (`--workloads video`) of 8 frames {image_size} lossless MOV; prompts differ too |
 
 ## Correctness
 
@@ -1563,7 +1563,8 @@ class Report:
         return compared
 
     def check(self) -> str:
-        text = check_text(self.found, self.short, self.total_requests, len(self.settings.systems))
+        video = any(WORKLOADS[w][2] for w in self.settings.workloads)
+        text = check_text(self.found, self.short, self.total_requests, len(self.settings.systems), video)
         if not self.settings.same_requests:
             text += (
                 " (With the shipped caches each system gets requests of its own, so the requests compared "
