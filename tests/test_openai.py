@@ -21,7 +21,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from mmserve_dev.samples import WEATHER_TOOL
@@ -42,7 +41,6 @@ from utils import (
     assert_meets_constraint,
     assert_prompt_logprobs_equal,
     generated_after_cancel,
-    send_tensors,
 )
 from utils import client as triton_client
 from utils import sampling as _sampling
@@ -293,7 +291,6 @@ def test_tool_calls_are_the_engines_calls(server, sdk, tiny_models, choice):
         "max_tokens": 160,
         "temperature": 0.0,
     }
-    sampling = {"max_tokens": 160, "temperature": 0.0, "tools": [WEATHER, TIME], **fields}
     hf_messages = [
         messages[0],
         {
@@ -302,15 +299,10 @@ def test_tool_calls_are_the_engines_calls(server, sdk, tiny_models, choice):
             "tool_calls": [{**messages[1]["tool_calls"][0], "function": {"name": "get_time", "arguments": {}}}],
         },
         messages[2],
-    ]
-    tensors = {
-        "messages": np.array([json.dumps(hf_messages).encode()], dtype=np.object_),
-        "tools": np.array([json.dumps([WEATHER, TIME]).encode()], dtype=np.object_),
-        "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=np.object_),
-        "stream": np.array([False]),
-        "return_finish_reason": np.array([True]),
-    }
-    (reference,) = send_tensors(server, "mm_ensemble", tensors)
+    ]  # vLLM's form (the client sends the conversation as it is)
+    reference = triton_client(server).generate(
+        messages=hf_messages, max_tokens=160, temperature=0.0, tools=[WEATHER, TIME], **fields
+    )
     vllm_request = ChatCompletionRequest.model_validate({**request, **fields})
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen2_5_omni"])
     found = Hermes2ProToolParser(tokenizer, vllm_request.tools).extract_tool_calls(reference.text, vllm_request)

@@ -10,6 +10,8 @@ import pytest
 
 from mmserve_dev.samples import AUDIO_SAMPLE_RATE, encode_audio, encode_image, sample_audio, sample_image
 
+from utils import rejects
+
 
 @pytest.fixture(scope="module")
 def preprocessor(tiny_models):
@@ -370,6 +372,30 @@ class _StubRunner:
     def shutdown(self, timeout: float = 60.0) -> None:
         self.in_shutdown.set()
         self.release.wait(10)
+
+
+def test_the_client_sends_tools_to_the_template_and_to_the_engine(monkeypatch, preprocessor):
+    """``MMClient(...).generate(messages=..., tools=..., tool_choice=...)``: the tools go in
+    ``preprocess``'s ``tools`` tensor (the chat template) and, with the choice, in
+    ``sampling_parameters`` (the engine's constraint); over HTTP as JSON; directly, to the
+    preprocessor itself."""
+    import json
+
+    from mmserve.client import MMClient
+    from mmserve_dev.samples import WEATHER_TOOL
+
+    sent: dict[str, object] = {}
+    monkeypatch.setattr(MMClient, "start_tensors", lambda self, tensors, model=None: sent.update(tensors))
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    MMClient("127.0.0.1:1").start(messages=messages, tools=[WEATHER_TOOL], tool_choice="required")
+    assert json.loads(sent["tools"][0]) == [WEATHER_TOOL]  # type: ignore[index]
+    sampling = json.loads(sent["sampling_parameters"][0])  # type: ignore[index]
+    assert sampling["tools"] == [WEATHER_TOOL] and sampling["tool_choice"] == "required"
+
+    direct = MMClient.__new__(MMClient)
+    direct._preprocessor = preprocessor
+    assert direct._tensors("", [], [], True, messages, (), [WEATHER_TOOL])["input_ids"].size
+    rejects(lambda: direct._tensors("", [], [], True, messages, (), [{"type": "custom"}]), "tools[0]: expected")
 
 
 def test_an_engine_failure_is_not_reported_once_the_model_stops(tiny_models):

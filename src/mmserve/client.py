@@ -163,7 +163,9 @@ class MMClient:
 
         ``messages=`` (here, in ``stream`` and ``start``): a whole conversation instead of ``text``;
         its image, audio and video parts refer, in order, to ``images``, ``audios`` and ``videos=``
-        (video files, for models that take video)."""
+        (video files, for models that take video). ``tools=`` (OpenAI function tools, with
+        ``tool_choice=`` and ``parallel_tool_calls=``) go to the chat template and to the engine,
+        which holds the model's calls to them (``<tool_call>`` blocks in the text)."""
         result = Result(text="")
         for response in self._responses(text, images, audios, stream=stream, **options):
             result.text += response.text
@@ -191,7 +193,7 @@ class MMClient:
         if self.protocol != "grpc":
             raise ValueError("start() streams over gRPC: use protocol='grpc'")
         params, flags, apply_chat_template = self._options(stream, **options)
-        tensors = self._tensors(text, images, audios, apply_chat_template, messages, videos)
+        tensors = self._tensors(text, images, audios, apply_chat_template, messages, videos, params.get("tools"))
         tensors["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=np.object_)
         for name, value in flags.items():
             tensors[name] = np.array([value])
@@ -267,8 +269,10 @@ class MMClient:
         apply_chat_template: bool,
         messages: Messages | None = None,
         videos: Sequence[Media] = (),
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> dict[str, np.ndarray]:
         conversation = None if messages is None else _messages_json(messages)
+        tools_json = None if tools is None else json.dumps(list(tools), ensure_ascii=False)
         if self._preprocessor is not None:
             processed = self._preprocessor(
                 text,
@@ -277,6 +281,7 @@ class MMClient:
                 apply_chat_template=apply_chat_template,
                 messages=conversation,
                 videos=[_read(m) for m in videos],
+                tools=tools_json,
             )
             processed["text_input"] = np.array([text.encode()], dtype=np.object_)
             return processed
@@ -294,6 +299,8 @@ class MMClient:
             tensors["audio"] = np.array([_read(m) for m in audios], dtype=np.object_)
         if videos:
             tensors["video"] = np.array([_read(m) for m in videos], dtype=np.object_)
+        if tools_json is not None:  # for the chat template; sampling_parameters carries them for the engine
+            tensors["tools"] = np.array([tools_json.encode()], dtype=np.object_)
         return tensors
 
     # -- HTTP: the generate endpoints (JSON, so media travel as data URLs) --------------------------
@@ -318,6 +325,8 @@ class MMClient:
             body["audio"] = [_data_url(m) for m in audios]
         if videos:
             body["video"] = [_data_url(m) for m in videos]
+        if "tools" in params:
+            body["tools"] = json.dumps(params["tools"], ensure_ascii=False)
         endpoint = "generate_stream" if flags["stream"] else "generate"
         url = f"http://{self.url}/v2/models/{self.entry}/{endpoint}"
         with requests.post(url, json=body, stream=flags["stream"], timeout=self.timeout) as reply:
