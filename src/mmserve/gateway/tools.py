@@ -133,8 +133,6 @@ class ToolCallReader:
 
     def message(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool calls) of the whole text, as vLLM's server answers them."""
-        if self.mode == "none":
-            return text, []
         found = hermes_calls(text)
         calls, content = found if found is not None else ([], text)
         if self.mode == "auto":
@@ -149,8 +147,6 @@ class ToolCallReader:
     def feed(self, text: str) -> dict[str, Any] | None:
         """The delta to send for the next piece of the text (None: nothing yet)."""
         self.text += text
-        if self.mode == "none":
-            return {"content": text} if text else None
         deltas = []
         for index, (block, complete) in enumerate(_blocks(self.text)):
             if index == len(self.names):
@@ -196,9 +192,10 @@ def mode_of(chat: Any) -> Mode | None:
 
 
 def reader(chat: Any) -> ToolCallReader | None:
-    """A new reader of one of the request's choices (None: the request has no tools)."""
+    """A new reader of one of the request's choices (None: no calls to read, the text is the answer:
+    no tools, or ``tool_choice: "none"``)."""
     mode = mode_of(chat)
-    return None if mode is None else ToolCallReader(mode, parallel_tool_calls=chat.parallel_tool_calls)
+    return None if mode in (None, "none") else ToolCallReader(mode, parallel_tool_calls=chat.parallel_tool_calls)
 
 
 def sampling(chat: Any) -> dict[str, Any]:
