@@ -232,7 +232,7 @@ RAW_CASES: list[BadRaw] = [
     ),
     BadRaw("max_tokens 16.5", Raw(sampling={"max_tokens": 16.5}), r"sampling_parameters: max_tokens: expected .*16\.5"),
     BadRaw("max_tokens true", Raw(sampling={"max_tokens": True}), r"sampling_parameters: max_tokens: expected .*true"),
-    BadRaw("ignore_eos 1", Raw(sampling={"ignore_eos": 1}), r"sampling_parameters: ignore_eos: expected .*1"),
+    BadRaw("ignore_eos 2", Raw(sampling={"ignore_eos": 2}), r"sampling_parameters: ignore_eos: expected .*2"),
     BadRaw("max_tokens 10**30", Raw(sampling={"max_tokens": 10**30}), r"sampling_parameters: max_tokens: expected"),
     BadRaw(
         "max_tokens above the context length",
@@ -423,9 +423,9 @@ LLM_CASES: list[BadTensors] = [
         r"text_input: not valid UTF-8 \(byte 0xff at offset 0\)",
     ),
     BadTensors(
-        "sampling ignore_eos 1",
+        "sampling ignore_eos 2",
         "mm_llm",
-        _edit(sampling_parameters=np.array([b'{"ignore_eos": 1}'], dtype=object)),
+        _edit(sampling_parameters=np.array([b'{"ignore_eos": 2}'], dtype=object)),
         r"sampling_parameters: ignore_eos: expected",
     ),
     BadTensors(

@@ -163,7 +163,7 @@ def test_sampling_parameters():
         ("{", "invalid JSON"),
         ("[1]", "expected a JSON object"),
         ('{"bogus": 1}', r"unknown parameter\(s\) \['bogus'\]"),
-        ('{"max_tokens": "many"}', "max_tokens: expected int, found 'many'"),
+        ('{"max_tokens": "many"}', "max_tokens: expected `int | null`, found 'many'"),
         ('{"top_p": 2}', "top_p"),
         ('{"n": 2}', "only 1 completion"),
     ]:
