@@ -44,57 +44,49 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
+from mmserve.chat import Strict, TextPart, Tool, ToolMessage, problem
 from mmserve.gateway.errors import APIError, invalid
 
 AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 # -- content parts ---------------------------------------------------------------------------------
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ImageURL(_Strict):
+class ImageURL(Strict):
     url: str
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class ImagePart(_Strict):
+class ImagePart(Strict):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class InputAudio(_Strict):
+class InputAudio(Strict):
     data: str
     format: Literal["wav", "mp3", "flac", "ogg"]
 
 
-class AudioPart(_Strict):
+class AudioPart(Strict):
     type: Literal["input_audio"]
     input_audio: InputAudio
 
 
-class AudioURL(_Strict):
+class AudioURL(Strict):
     url: str
 
 
-class AudioURLPart(_Strict):
+class AudioURLPart(Strict):
     type: Literal["audio_url"]
     audio_url: AudioURL
 
 
-class VideoURL(_Strict):
+class VideoURL(Strict):
     url: str
 
 
-class VideoURLPart(_Strict):
+class VideoURLPart(Strict):
     type: Literal["video_url"]
     video_url: VideoURL
 
@@ -103,24 +95,24 @@ UserPart = Annotated[TextPart | ImagePart | AudioPart | AudioURLPart | VideoURLP
 
 
 # -- messages -------------------------------------------------------------------------------------
-class SystemMessage(_Strict):
+class SystemMessage(Strict):
     role: Literal["system", "developer"]
     content: str | list[TextPart]
     name: str | None = None
 
 
-class UserMessage(_Strict):
+class UserMessage(Strict):
     role: Literal["user"]
     content: str | list[UserPart]
     name: str | None = None
 
 
-class ToolCallFunction(_Strict):
+class ToolCallFunction(Strict):
     name: str
     arguments: str
 
 
-class ToolCall(_Strict):
+class ToolCall(Strict):
     """A call the assistant made earlier in the conversation."""
 
     id: str
@@ -128,46 +120,26 @@ class ToolCall(_Strict):
     function: ToolCallFunction
 
 
-class AssistantMessage(_Strict):
+class AssistantMessage(Strict):
     role: Literal["assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
-class ToolMessage(_Strict):
-    """A tool's answer to the call ``tool_call_id``."""
-
-    role: Literal["tool"]
-    content: str | list[TextPart]
-    tool_call_id: str
-
-
 Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
 
 
-class FunctionDefinition(_Strict):
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
-    strict: bool | None = None  # the grammar backend holds required/named calls to the schema either way
-
-
-class Tool(_Strict):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Strict):
+class NamedFunction(Strict):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: NamedFunction
 
 
-class JSONSchema(_Strict):
+class JSONSchema(Strict):
     """``response_format.json_schema``: OpenAI's wrapper of a JSON schema."""
 
     name: str
@@ -176,17 +148,17 @@ class JSONSchema(_Strict):
     strict: bool | None = None  # the grammar backend holds the output to the schema either way
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchema | None = None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # ignored: no obfuscation padding here
 
 
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(Strict):
     model: str
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = None
@@ -366,48 +338,7 @@ def _check_tools(request: ChatCompletionRequest, body: dict[str, Any]) -> None:
             )
 
 
-def _param(loc: tuple[Any, ...], data: Any) -> str:
-    """pydantic's ``loc`` as the client wrote it, e.g. ``("messages", 0, "user", "content",
-    "list[...]", 1, "image_url", "image_url", "url")`` -> ``messages[0].content[1].image_url.url``.
-    Walks the request: a union's tag (the item's ``type`` or ``role`` after its index) and a name
-    that is not a key of the object there (a union's branch) are left out, but for the last one (a
-    missing field)."""
-    out = ""
-    for n, item in enumerate(loc):
-        if (
-            n > 1
-            and isinstance(loc[n - 1], int)
-            and isinstance(data, dict)
-            and (
-                (loc[n - 2] == "messages" and item == data.get("role"))
-                or ("tagged-union[" in str(loc[n - 2]) and item == data.get("type"))
-            )
-        ):
-            continue  # the tag of a tagged union (a message's role, a part's type), after the item's index
-        if isinstance(item, int):
-            out += f"[{item}]"
-            data = data[item] if isinstance(data, list) and -len(data) <= item < len(data) else None
-        elif (isinstance(data, dict) and item in data) or (n == len(loc) - 1 and "[" not in item):
-            out += f".{item}" if out else item
-            data = data.get(item) if isinstance(data, dict) else None
-    return out
-
-
 def validation_error(exc: ValidationError, data: Any) -> APIError:
-    """The most specific of pydantic's errors (the deepest: a union reports each branch)."""
-    errors = exc.errors(include_url=False)
-    error = max(errors, key=lambda e: (len(e["loc"]), e["type"] != "string_type"))
-    param = _param(tuple(error["loc"]), data)
-    if error["type"] == "extra_forbidden":
-        return invalid(f"{param}: unknown field", param=param, code="unknown_field")
-    if error["type"] == "missing":
-        return invalid(f"{param}: required", param=param, code="missing_field")
-    message = error["msg"]
-    if error["type"] == "union_tag_invalid":
-        message = (
-            f"unsupported {error['ctx']['discriminator'].strip(chr(39))} {error['ctx']['tag']!r}; "
-            f"expected one of {error['ctx']['expected_tags']}"
-        )
-    elif error["type"] in ("list_type", "string_type") and param.endswith(".content"):
-        message = "expected a string or a list of content parts"
-    return invalid(f"{param}: {message}" if param else message, param=param or None)
+    """pydantic's most specific error, as a 400 naming the field (``mmserve.chat.problem``)."""
+    found = problem(exc, data)
+    return invalid(str(found), param=found.param or None, code=found.code)
