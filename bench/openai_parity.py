@@ -29,16 +29,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from peers import (
-    ENSEMBLE,
-    SERVED_MODEL_NAME,
-    START_TIMEOUT_S,
-    VLLM_SERVE,
-    VllmServer,
-    engine_arguments,
-    start_gateway,
-    triton_repository,
-)
+from common import SERVED_MODEL_NAME, START_TIMEOUT_S, VllmServer
+from peers import ENSEMBLE, VLLM_SERVE, engine_arguments, start_gateway, triton_repository
 
 from mmserve_dev.samples import WEATHER_TOOL
 

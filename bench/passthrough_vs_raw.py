@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common import percentile_ms
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("raw", "processed")
 QUESTIONS = ("Describe the picture and the sound.", "What do you see and hear?", "Summarize the media.")
@@ -137,16 +139,6 @@ async def run_round(
     return time.perf_counter() - start, outcomes  # type: ignore[return-value]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    pos = (len(ordered) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def summarize(results: list[RoundResult]) -> dict[str, float]:
     outcomes = [o for r in results for o in r.outcomes]
     wall = sum(r.wall_s for r in results)
@@ -155,8 +147,8 @@ def summarize(results: list[RoundResult]) -> dict[str, float]:
         "req_s": len(outcomes) / wall,
         "tok_s": sum(len(o.token_ids) for o in outcomes) / wall,
         "ttft_mean": statistics.fmean(ttft),
-        "ttft_p50": percentile(ttft, 0.5),
-        "ttft_p90": percentile(ttft, 0.9),
+        "ttft_p50": percentile_ms(ttft, 50) / 1e3,
+        "ttft_p90": percentile_ms(ttft, 90) / 1e3,
         "e2e_mean": statistics.fmean(o.e2e_s for o in outcomes),
     }
 
@@ -308,14 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"  all {len(pre)} requests (torch threads {threads}): mean {statistics.fmean(pre) * 1e3:.0f} ms, "
-        f"p50 {percentile(pre, 0.5) * 1e3:.0f} ms, p90 {percentile(pre, 0.9) * 1e3:.0f} ms per request"
+        f"p50 {percentile_ms(pre, 50):.0f} ms, p90 {percentile_ms(pre, 90):.0f} ms per request"
     )
     if by_threads[1]:
         default, one = by_threads[threads], by_threads[1]
         for n, times in ((threads, default), (1, one)):
             print(
                 f"  sample of {len(times)}, torch threads {n}: mean {statistics.fmean(times) * 1e3:.0f} ms, "
-                f"p50 {percentile(times, 0.5) * 1e3:.0f} ms, p90 {percentile(times, 0.9) * 1e3:.0f} ms"
+                f"p50 {percentile_ms(times, 50):.0f} ms, p90 {percentile_ms(times, 90):.0f} ms"
             )
         print(
             f"  (threads {threads} and 1 alternate request by request on the same media; "

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import psutil
+from common import stop_process_group
 
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageParam
@@ -289,18 +290,9 @@ class Busy:
         )
 
     def stop(self) -> None:
-        # SIGTERM first: the engine's multiprocessing resource tracker (which ignores it) then
-        # removes the engine's named semaphores (/dev/shm/sem.mp-*); SIGKILL of the group leaks them.
         for process in self.processes:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(5)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            stop_process_group(process.pid, grace_s=5.0)
+            process.wait()
 
 
 # -- one stop --------------------------------------------------------------------------------------------

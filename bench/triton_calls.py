@@ -20,7 +20,9 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+import common
 import numpy as np
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = (
@@ -104,8 +106,7 @@ class TritonPythonModel:
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks of 1/100 s
+    return common.cpu_seconds([psutil.Process(pid)])
 
 
 def measure(url: str, server_pid: int, kind: str, calls: int) -> tuple[float, float, float]:
@@ -140,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
 
-    sys.path.insert(0, str(ROOT / "tools"))
     from mmserve_dev.triton import TritonServer
 
     with tempfile.TemporaryDirectory(prefix="mmserve-calls-") as folder:
