@@ -314,3 +314,167 @@ def test_omni_video_parity_with_hf(omni_engine, omni_reference, omni_preprocesso
         tensors = preprocessor.decode_wire(wire)
         got = omni_engine.generate_sync(processed_prompt(family, tensors["input_ids"], tensors), greedy(12))
         assert list(got.outputs[0].token_ids) == expected, f"{len(videos)} video(s): vLLM on processed video != HF"
+
+
+# -- Qwen2.5-Omni: a video with its audio track (use_audio_in_video) ------------------------------------
+AIV_FRAMES = 26
+"""Frames of the audio-in-video clip: 13 temporal patches at VIDEO_FPS span two of the model's
+2-second chunks, so the placeholders interleave video, audio, video, audio."""
+
+
+def _video_with_audio(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    from mmserve_dev.samples import sample_audio
+
+    frames = sample_video(seed, frames=AIV_FRAMES)
+    return frames, sample_audio(seed + 1, seconds=AIV_FRAMES / VIDEO_FPS)
+
+
+def _hf_audio_in_video(reference, frames: np.ndarray, audio: np.ndarray):
+    from mmserve_dev.hf_reference import chat_prompt
+    from mmserve_dev.samples import AUDIO_SAMPLE_RATE
+
+    text = chat_prompt("qwen2_5_omni", reference.processor, ["video", "text:What happens?"])
+    metadata = [
+        {"total_num_frames": len(frames), "fps": float(VIDEO_FPS), "width": frames.shape[2], "height": frames.shape[1]}
+    ]
+    return reference.processor(
+        text=[text],
+        videos=[frames],
+        video_metadata=metadata,
+        audio=[audio],
+        sampling_rate=AUDIO_SAMPLE_RATE,
+        use_audio_in_video=True,
+        return_tensors="pt",
+    )
+
+
+def test_omni_audio_in_video_is_what_its_hf_processor_makes(omni_preprocessor, omni_reference):
+    """A video file with an audio track and ``use_audio_in_video``: ``preprocess`` decodes both,
+    and its ids (video and audio placeholders interleaved by time) and tensors are the HF
+    processor's on the frames and the waveform; each video is flagged for ``mm_llm``."""
+    frames, audio = _video_with_audio(41)
+    want = _hf_audio_in_video(omni_reference, frames, audio)
+    wire = omni_preprocessor("What happens?", videos=[encode_video(frames, audio=audio)], use_audio_in_video=True)
+    got = omni_preprocessor.decode_wire(wire)
+    np.testing.assert_array_equal(got["input_ids"], want["input_ids"][0].numpy())
+    vocab = omni_reference.processor.tokenizer.get_vocab()
+    ids = got["input_ids"].tolist()
+    first_audio, last_video = ids.index(vocab["<|AUDIO|>"]), len(ids) - 1 - ids[::-1].index(vocab["<|VIDEO|>"])
+    assert first_audio < last_video  # interleaved: two chunks
+    np.testing.assert_array_equal(got["pixel_values_videos"], want["pixel_values_videos"].numpy())
+    assert got["use_audio_in_video"].tolist() == [True]
+    frames_heard = int(want["feature_attention_mask"].sum())
+    assert got["feature_attention_mask"].sum() == frames_heard
+    np.testing.assert_array_equal(
+        got["input_features"][..., :frames_heard], want["input_features"][..., :frames_heard].numpy()
+    )
+    plain = omni_preprocessor("What happens?", videos=[encode_video(frames, audio=audio)])
+    assert plain["use_audio_in_video"].size == 0 and vocab["<|AUDIO|>"] not in plain["input_ids"].tolist()
+
+
+def test_audio_in_video_refusals_name_the_input(omni_preprocessor, preprocessor):
+    frames, audio = _video_with_audio(43)
+    rejects(
+        lambda: omni_preprocessor("x", videos=[encode_video(frames)], use_audio_in_video=True),
+        "video[0].audio: the video has no audio track (use_audio_in_video)",
+    )
+    rejects(
+        lambda: omni_preprocessor(
+            "x", audios=[b"RIFF"], videos=[encode_video(frames, audio=audio)], use_audio_in_video=True
+        ),
+        "use_audio_in_video: audio and audio_pcm must be absent",
+    )
+    rejects(
+        lambda: preprocessor("x", videos=[encode_video(frames, audio=audio)], use_audio_in_video=True),
+        "use_audio_in_video: the qwen2_5_vl model takes no audio in video",
+    )
+
+
+def test_bad_audio_in_video_layouts_are_named(omni_reference):
+    """The pass-through checks an audio-in-video prompt against vLLM's own layout of the chunks."""
+    from mmserve.errors import ProcessedInputError
+    from mmserve.families import get_family
+    from mmserve.passthrough.items import ProcessedItems
+
+    frames, audio = _video_with_audio(45)
+    hf = {k: v.numpy() for k, v in _hf_audio_in_video(omni_reference, frames, audio).items()}
+    family = get_family("qwen2_5_omni")
+    config = omni_reference.model.config
+    video_spec, audio_spec = family.modality("video"), family.modality("audio")
+    assert video_spec is not None and audio_spec is not None and family.audio_in_video is not None
+
+    def items(flags):
+        video = {
+            "pixel_values_videos": hf["pixel_values_videos"],
+            "video_grid_thw": hf["video_grid_thw"],
+            "second_per_grid_ts": hf["video_second_per_grid"].astype(np.float32),
+            "use_audio_in_video": np.array(flags),
+        }
+        sound = {"input_features": hf["input_features"], "feature_attention_mask": hf["feature_attention_mask"]}
+        return ProcessedItems(video, video_spec, config), ProcessedItems(sound, audio_spec, config)
+
+    ids = hf["input_ids"][0].tolist()
+    placed = family.audio_in_video.placements(ids, *items([True]), config)
+    [video], [sound] = placed["video"], placed["audio"]
+    assert video.offset == sound.offset == ids.index(config.audio_start_token_id)
+    assert sum(video.is_embed) == int(hf["video_grid_thw"].prod()) // 4 and sum(sound.is_embed) == ids.count(
+        config.audio_token_index
+    )
+    assert family.audio_in_video.placements(ids, *items([False]), config) is None
+
+    with pytest.raises(
+        ProcessedInputError,
+        match=r"video item 0, prompt_token_ids: expected 1876 tokens .* found token \d+ at offset \d+",
+    ):
+        swapped = list(ids)
+        at = swapped.index(config.audio_token_index)
+        swapped[at - 1], swapped[at] = swapped[at], swapped[at - 1]
+        family.audio_in_video.placements(swapped, *items([True]), config)
+    with pytest.raises(ProcessedInputError, match=r"<\|vision_bos\|><\|audio_bos\|> span"):
+        family.audio_in_video.placements([1, 2, 3], *items([True]), config)
+
+
+@pytest.mark.engine
+def test_omni_audio_in_video_parity_with_hf(omni_engine, omni_reference, omni_preprocessor):
+    """A video with its audio: HF transformers on the frames and the waveform = vLLM on the same raw
+    media (the plugin's model class, with ``vllm_seam.OmniAudioInVideoPositions``) = vLLM on
+    ``preprocess``'s tensors of the video file. (Stock vLLM 0.32 answers otherwise: its positions
+    of the span are one token off.)"""
+    import torch
+
+    from mmserve.families import get_family
+    from mmserve.inputs import processed_prompt
+
+    frames, audio = _video_with_audio(47)
+    hf = _hf_audio_in_video(omni_reference, frames, audio)
+    with torch.no_grad():
+        out = omni_reference.model.generate(**hf, use_audio_in_video=True, max_new_tokens=12, do_sample=False)
+    expected = out[0, hf["input_ids"].shape[1] :].tolist()
+
+    wire = omni_preprocessor("What happens?", videos=[encode_video(frames, audio=audio)], use_audio_in_video=True)
+    tensors = omni_preprocessor.decode_wire(wire)
+    processed_run = omni_engine.generate_sync(
+        processed_prompt(get_family("qwen2_5_omni"), tensors["input_ids"], tensors), greedy(12)
+    )
+    assert list(processed_run.outputs[0].token_ids) == expected, "vLLM on preprocess's tensors != HF"
+
+    from mmserve_dev.hf_reference import chat_prompt
+    from mmserve_dev.samples import AUDIO_SAMPLE_RATE
+
+    metadata = {
+        "fps": float(VIDEO_FPS),
+        "total_num_frames": len(frames),
+        "frames_indices": list(range(len(frames))),
+        "duration": len(frames) / VIDEO_FPS,
+        "height": frames.shape[1],
+        "width": frames.shape[2],
+        "video_backend": "opencv",
+    }
+    raw = {
+        "prompt": chat_prompt("qwen2_5_omni", omni_reference.processor, ["video", "text:What happens?"]),
+        "multi_modal_data": {"video": [(frames, metadata)], "audio": [(audio, AUDIO_SAMPLE_RATE)]},
+        "mm_processor_kwargs": {"use_audio_in_video": True},
+    }
+    raw_run = omni_engine.generate_sync(raw, greedy(12))
+    assert list(raw_run.prompt_token_ids) == hf["input_ids"][0].tolist()
+    assert list(raw_run.outputs[0].token_ids) == expected, "vLLM on the raw video and audio != HF"

@@ -395,7 +395,10 @@ def test_the_client_sends_tools_to_the_template_and_to_the_engine(monkeypatch, p
     direct = MMClient.__new__(MMClient)
     direct._preprocessor = preprocessor
     assert direct._tensors("", [], [], True, messages, (), [WEATHER_TOOL])["input_ids"].size
-    rejects(lambda: direct._tensors("", [], [], True, messages, (), [{"type": "custom"}]), "tools[0].type: expected 'function'")
+    rejects(
+        lambda: direct._tensors("", [], [], True, messages, (), [{"type": "custom"}]),
+        "tools[0].type: expected 'function'",
+    )
 
 
 def test_an_engine_failure_is_not_reported_once_the_model_stops(tiny_models):

@@ -24,6 +24,7 @@ The rest of the package imports from ``vllm`` only its public names (``tests/tes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import re
@@ -123,6 +124,13 @@ _SIGNATURES = {
         "mm_items",
         "mm_res",
     ),
+    ("vllm.multimodal.processing", "BaseMultiModalProcessor", "_finalize_hf_mm_data"): (
+        "self",
+        "hf_data",
+        "hf_kwargs",
+        "passthrough_data",
+        "processed_data",
+    ),
     ("vllm.multimodal.processing", "BaseMultiModalProcessor", "_validate_mm_kwargs"): (
         "self",
         "mm_kwargs",
@@ -162,6 +170,35 @@ _SIGNATURES = {
         "tokenizer",
     ),
     ("vllm.parser.abstract_parser", "Parser", "adjust_request"): ("self", "request"),
+    # Qwen2.5-Omni's audio in video (omni_audio_in_video_tokens, OmniAudioInVideoPositions)
+    (
+        "vllm.model_executor.models.qwen2_5_omni_thinker",
+        "Qwen2_5OmniThinkerMultiModalProcessor",
+        "omni_get_updates_use_audio_in_video",
+    ): ("thinker_config", "audio_len", "video_grid_thw", "video_second_per_grid_t"),
+    (
+        "vllm.model_executor.models.qwen2_5_omni_thinker",
+        "Qwen2_5OmniThinkerForConditionalGeneration",
+        "get_mrope_input_positions",
+    ): ("self", "input_tokens", "mm_features"),
+    (
+        "vllm.model_executor.models.qwen2_5_omni_thinker",
+        "Qwen2_5OmniThinkerForConditionalGeneration",
+        "iter_mm_features",
+    ): (
+        "self",
+        "mm_features",
+    ),
+    (
+        "vllm.model_executor.models.qwen2_5_omni_thinker",
+        "Qwen2_5OmniThinkerForConditionalGeneration",
+        "_compute_interleaved_positions",
+    ): ("self", "start_idx", "data"),
+    (
+        "vllm.model_executor.models.qwen2_5_omni_thinker",
+        "Qwen2_5OmniThinkerForConditionalGeneration",
+        "_compute_audio_token_count",
+    ): ("self", "audio_feature_length"),
     ("vllm.v1.metrics.loggers", "StatLoggerManager", "__init__"): (
         "self",
         "vllm_config",
@@ -374,6 +411,16 @@ class ProcessingInfoHooks:
         return items
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one item sits in an expanded prompt: ``length`` tokens from ``offset``, of which those
+    ``is_embed`` marks take the item's embeddings (None: all of them)."""
+
+    offset: int
+    length: int
+    is_embed: Sequence[bool] | None = None
+
+
 class MultiModalProcessorHooks:
     """Mixin over a stock vLLM ``BaseMultiModalProcessor``: when a request's items are the
     project's own (``owns``), the prompt is taken as already expanded: instead of vLLM's prompt
@@ -391,9 +438,10 @@ class MultiModalProcessorHooks:
         raise NotImplementedError
 
     def locate_placeholders(
-        self, modality: str, items: ModalityDataItems, prompt_ids: Sequence[int], token_id: int
-    ) -> list[tuple[int, int]]:
-        """``(offset, length)`` of each item's placeholder run in ``prompt_ids``, in item order."""
+        self, mm_items: Mapping[str, ModalityDataItems], prompt_ids: Sequence[int], token_ids: Mapping[str, int]
+    ) -> dict[str, list[Placement]]:
+        """Per modality, each item's placement in ``prompt_ids``, in item order (``token_ids``: each
+        modality's placeholder token)."""
         raise NotImplementedError
 
     def apply(self, inputs, timing_ctx):  # vLLM's signature (ProcessorInputs, TimingContext)
@@ -401,31 +449,113 @@ class MultiModalProcessorHooks:
             self.check_request(inputs.mm_data_items)
         return super().apply(inputs, timing_ctx)  # type: ignore[misc]
 
+    def _finalize_hf_mm_data(self, hf_data, hf_kwargs, passthrough_data, processed_data=None):  # vLLM's signature
+        # The stock post-processing may set a field from the processor's kwargs (Qwen2.5-Omni's
+        # use_audio_in_video): the project's own tensors win.
+        out = super()._finalize_hf_mm_data(hf_data, hf_kwargs, passthrough_data, processed_data)  # type: ignore[misc]
+        out.update({name: value for name, value in passthrough_data.items() if name in out})
+        return out
+
     def _maybe_apply_prompt_updates(self, mm_items, mm_res):  # vLLM's signature
         if not any(self.owns(items) for items in mm_items.values()):
             return super()._maybe_apply_prompt_updates(mm_items, mm_res)  # type: ignore[misc]
+        import torch
         from vllm.multimodal.processing.processor import PlaceholderFeaturesInfo
 
         self._validate_mm_kwargs(mm_res.kwargs, mm_items.get_all_counts())  # type: ignore[attr-defined]
         tokenizer = self.info.get_tokenizer()  # type: ignore[attr-defined]
         prompt_ids = mm_res.prompt_ids
-        placeholders: dict[str, list[PlaceholderFeaturesInfo]] = {}
-        for modality, items in mm_items.items():
-            # Not get_vocab(): that copies the whole vocabulary, on every request.
-            token_id = tokenizer.convert_tokens_to_ids(self.placeholder_token(modality))
-            with _as_engine_input_errors():
-                runs = self.locate_placeholders(modality, items, prompt_ids, token_id)
-            placeholders[modality] = [
+        # Not get_vocab(): that copies the whole vocabulary, on every request.
+        token_ids = {
+            modality: tokenizer.convert_tokens_to_ids(self.placeholder_token(modality)) for modality in mm_items
+        }
+        with _as_engine_input_errors():
+            placements = self.locate_placeholders(mm_items, prompt_ids, token_ids)
+        placeholders = {
+            modality: [
                 PlaceholderFeaturesInfo(
                     modality=modality,
                     item_idx=index,
-                    start_idx=offset,
-                    tokens=[token_id] * length,
-                    is_embed=None,
+                    start_idx=place.offset,
+                    tokens=list(prompt_ids[place.offset : place.offset + place.length]),
+                    is_embed=None if place.is_embed is None else torch.as_tensor(place.is_embed),
                 )
-                for index, (offset, length) in enumerate(runs)
+                for index, place in enumerate(found)
             ]
+            for modality, found in placements.items()
+        }
         return prompt_ids, placeholders
+
+
+class OmniAudioInVideoPositions:
+    """Qwen2.5-Omni's M-RoPE positions for a video with its audio track (``use_audio_in_video``)
+    as HF transformers computes them (``Qwen2_5OmniPreTrainedModelForConditionalGeneration.
+    get_rope_index``, the model's reference), over vLLM's ``get_mrope_input_positions``.
+
+    vLLM 0.32 places the span ``<|audio_bos|> (video and audio chunks) <|audio_eos|>`` one token
+    late: it gives ``<|audio_bos|>`` the first chunk's position where HF gives it
+    ``<|vision_bos|>``'s, so every later position is off by one token and the last two tokens of
+    the span are counted as text (the greedy tokens then differ from HF's:
+    ``tests/test_passthrough_video.py::test_omni_audio_in_video_parity_with_hf``). Positions of
+    everything else are vLLM's, computed as its own method computes them. Ends with the vLLM
+    release whose positions equal HF's for audio in video (the test says so)."""
+
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[Any]) -> tuple[Any, int]:
+        import numpy as np
+        import torch
+
+        if not any(f.modality == "video" and _shares_audio(f) for f in mm_features):
+            return super().get_mrope_input_positions(input_tokens, mm_features)  # type: ignore[misc]
+        positions: list[np.ndarray] = []
+        done = 0  # tokens placed
+
+        def start() -> int:
+            return int(positions[-1].max()) + 1 if positions else 0
+
+        def text(count: int) -> None:
+            if count > 0:
+                positions.append(np.broadcast_to(np.arange(count), (3, count)) + start())
+
+        for offset, modality, data in self.iter_mm_features(mm_features):  # type: ignore[attr-defined]
+            text(offset - done)
+            if modality == "audio":
+                count = self._compute_audio_token_count(data["audio_feature_length"])  # type: ignore[attr-defined]
+                positions.append(np.broadcast_to(np.arange(count), (3, count)) + start())
+                done = offset + count
+            elif modality == "video" and data["use_audio_in_video"]:
+                bos = start() - 1  # <|audio_bos|> at <|vision_bos|>'s position
+                chunks, count = self._compute_interleaved_positions(bos + 1, data)  # type: ignore[attr-defined]
+                positions += [np.full((3, 1), bos), chunks, np.full((3, 2), int(chunks.max()) + 1)]
+                done = offset + count + 3  # <|audio_bos|>, the chunks, <|audio_eos|><|vision_eos|> (one position)
+            else:  # an image, a video without its audio
+                grid = np.indices((data["grid_t"], data["grid_h"], data["grid_w"]))
+                if data["t_factor"] != 1.0:
+                    grid[0] = (grid[0] * data["t_factor"]).astype(np.int64)
+                positions.append(grid.reshape(3, -1) + start())
+                done = offset + grid[0].size
+        text(len(input_tokens) - done)
+        merged = np.concatenate(positions, axis=1).reshape(3, -1)
+        return torch.from_numpy(merged), int(merged.max()) + 1 - len(input_tokens)
+
+
+def omni_audio_in_video_tokens(
+    hf_config: PretrainedConfig, audio_tokens: int, video_grid_thw: Sequence[int], second_per_grid_t: float
+) -> list[int]:
+    """The tokens vLLM (and HF's processor) put in place of a video's ``<|VIDEO|>`` with its audio
+    track: ``<|audio_bos|>``, the video's and the audio's embeddings in chunks by time,
+    ``<|audio_eos|>``."""
+    from vllm.model_executor.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerMultiModalProcessor
+
+    return list(
+        Qwen2_5OmniThinkerMultiModalProcessor.omni_get_updates_use_audio_in_video(
+            hf_config, audio_tokens, list(video_grid_thw), second_per_grid_t
+        )
+    )
+
+
+def _shares_audio(feature: Any) -> bool:
+    flag = feature.data.get("use_audio_in_video") if feature.data is not None else None
+    return flag is not None and bool(flag.data.reshape(-1)[0])
 
 
 def derive_model_class(
@@ -438,11 +568,13 @@ def derive_model_class(
     module: str,
     doc: str,
     normalize_on_device: bool,
+    model_mixins: Sequence[type] = (),
 ) -> type:
     """``base`` (a stock vLLM model class) as a new class ``name``, registered with a processor
     made of the mixins over ``base``'s stock processing info and processor (``attrs`` go into
     both); the stock dummy-inputs builder is kept. ``normalize_on_device`` is vLLM's
-    ``supports_mm_device_do_normalize``: whether raw images may be normalized on the device."""
+    ``supports_mm_device_do_normalize``: whether raw images may be normalized on the device.
+    ``model_mixins`` go before ``base`` (fixes of the stock model, e.g. ``OmniAudioInVideoPositions``)."""
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
     stock = base._processor_factory  # type: ignore[attr-defined]  # set by vLLM's register_processor
@@ -450,7 +582,7 @@ def derive_model_class(
     processor_cls = type(f"{name}Processor", (processor_mixin, stock.processor), dict(attrs))
     model_cls = type(
         name,
-        (base,),
+        (*model_mixins, base),
         {"__module__": module, "__doc__": doc, "supports_mm_device_do_normalize": normalize_on_device},
     )
     return MULTIMODAL_REGISTRY.register_processor(processor_cls, info=info_cls, dummy_inputs=stock.dummy_inputs)(
@@ -460,6 +592,9 @@ def derive_model_class(
 
 __all__ = [
     "VLLM_VERSION",
+    "OmniAudioInVideoPositions",
+    "Placement",
+    "omni_audio_in_video_tokens",
     "AsyncLLM",
     "DictEmbeddingItems",
     "ModalityDataItems",

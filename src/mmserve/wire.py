@@ -31,6 +31,8 @@ class TensorSpec:
     dims: tuple[str | int, ...]
     """Symbolic dims (named when variable, an int when fixed), e.g. ``("images", 3)``."""
     meaning: str
+    optional: bool = False
+    """A family's feature field that may be left out (or sent empty) even with items."""
 
     @property
     def ndim(self) -> int:
@@ -85,7 +87,12 @@ TOOLS = TensorSpec(
     "the function tools of a conversation (messages), for the chat template: a UTF-8 JSON array of "
     'OpenAI tools {"type": "function", "function": {...}} (docs/tensors.md)',
 )
-PREPROCESS_INPUTS: tuple[TensorSpec, ...] = (TEXT_INPUT, *RAW_MEDIA_INPUTS, MESSAGES, VIDEO, TOOLS)
+USE_AUDIO_IN_VIDEO = _flag(
+    "use_audio_in_video",
+    "each video's audio track is heard too, its placeholders interleaved with the frames' "
+    "(Qwen2.5-Omni; the HF processor's use_audio_in_video; default false)",
+)
+PREPROCESS_INPUTS: tuple[TensorSpec, ...] = (TEXT_INPUT, *RAW_MEDIA_INPUTS, MESSAGES, VIDEO, TOOLS, USE_AUDIO_IN_VIDEO)
 """What ``preprocess`` takes: one raw request (a prompt in ``text_input``, or a conversation in ``messages``)."""
 
 STREAM = _flag("stream", "one response per generated delta (default false: one response)")

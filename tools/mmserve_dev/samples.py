@@ -63,9 +63,18 @@ def sample_video(seed: int = 0, frames: int = 4, size: tuple[int, int] = (112, 8
     return np.clip(base + drift, 0, 255).astype(np.uint8)
 
 
-def encode_video(frames: np.ndarray, fps: int = VIDEO_FPS, *, codec: str = "png", fmt: str = "mov") -> bytes:
+def encode_video(
+    frames: np.ndarray,
+    fps: int = VIDEO_FPS,
+    *,
+    codec: str = "png",
+    fmt: str = "mov",
+    audio: np.ndarray | None = None,
+    sample_rate: int = AUDIO_SAMPLE_RATE,
+) -> bytes:
     """A video file of ``frames`` (PyAV). The default, PNG frames in MOV, is lossless: decoding gives
-    back exactly ``frames``; ``codec="mpeg4", fmt="mp4"`` makes a small everyday MP4."""
+    back exactly ``frames``; ``codec="mpeg4", fmt="mp4"`` makes a small everyday MP4. ``audio``: a
+    mono float32 track at ``sample_rate`` beside them, stored losslessly (32-bit float PCM)."""
     import av
 
     out = io.BytesIO()
@@ -74,9 +83,18 @@ def encode_video(frames: np.ndarray, fps: int = VIDEO_FPS, *, codec: str = "png"
         assert isinstance(stream, av.VideoStream)
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "rgb24" if codec == "png" else "yuv420p"
+        track = None
+        if audio is not None:
+            track = container.add_stream("pcm_f32le", rate=sample_rate, layout="mono")
+            assert isinstance(track, av.AudioStream)
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
+        if track is not None and audio is not None:
+            samples = av.AudioFrame.from_ndarray(np.asarray(audio, np.float32).reshape(1, -1), format="flt", layout="mono")
+            samples.sample_rate = sample_rate
+            container.mux(track.encode(samples))
+            container.mux(track.encode())
     return out.getvalue()
 
 

@@ -69,6 +69,10 @@ class ModalitySpec(ABC):
         return frozenset(f.name for f in self.fields)
 
     @property
+    def required_field_names(self) -> frozenset[str]:
+        return frozenset(f.name for f in self.fields if not f.optional)
+
+    @property
     def wire_field_names(self) -> frozenset[str]:
         return frozenset(f.name for f in self.wire_fields)
 
@@ -88,15 +92,17 @@ class ModalitySpec(ABC):
                 expected=f"only the fields {sorted(self.field_names)}",
                 found=f"unexpected field(s) {unknown}",
             )
-        missing = sorted(self.field_names - set(data))
+        missing = sorted(self.required_field_names - set(data))
         if missing:
             raise ProcessedInputError(
                 self.modality,
-                expected=f"the fields {sorted(self.field_names)}",
+                expected=f"the fields {sorted(self.required_field_names)}",
                 found=f"{sorted(data)} (missing {missing})",
             )
         tensors: dict[str, torch.Tensor] = {}
         for spec in self.fields:
+            if spec.optional and numel(data.get(spec.name)) == 0:
+                continue  # left out, or sent empty
             tensor = as_tensor(data[spec.name], self.modality, spec.name)
             if spec.is_float and not tensor.is_floating_point():
                 raise ProcessedInputError(
@@ -183,6 +189,10 @@ class FamilySpec:
     vllm_model: str
     """``"module:Class"`` of the stock vLLM model the pass-through class derives from."""
     modalities: tuple[ModalitySpec, ...]
+    audio_in_video: Any = None
+    """How the family lays out a video with its audio track (``qwen.AudioInVideo``), if it takes one."""
+    model_mixins: tuple[str, ...] = ()
+    """``"module:Class"`` of fixes placed over the stock vLLM model class (``vllm_seam``)."""
     tool_call_parser: str = "hermes"
     """vLLM's tool call parser for the family's format (``vllm serve --tool-call-parser``): how a
     tool call is written (``<tool_call>{...}</tool_call>`` for the Qwen families), constrained and read."""

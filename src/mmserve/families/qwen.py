@@ -256,9 +256,13 @@ class QwenVisionVideo(ModalitySpec):
 
     modality = "video"
 
-    def __init__(self, placeholder_token: str, *, seconds_field: str = "second_per_grid_ts") -> None:
+    def __init__(
+        self, placeholder_token: str, *, seconds_field: str = "second_per_grid_ts", audio_in_video: bool = False
+    ) -> None:
         """``seconds_field``: the HF processor's name for ``second_per_grid_ts`` where it differs
-        (Qwen2.5-Omni's ``video_second_per_grid``): a wire field, renamed by ``wire_decoder``."""
+        (Qwen2.5-Omni's ``video_second_per_grid``): a wire field, renamed by ``wire_decoder``.
+        ``audio_in_video``: the family takes a video with its audio track (``AudioInVideo``), told by
+        the optional field ``use_audio_in_video``."""
         self.placeholder_token = placeholder_token
         self.seconds_field = seconds_field
         if seconds_field != "second_per_grid_ts":
@@ -291,6 +295,18 @@ class QwenVisionVideo(ModalitySpec):
                 "seconds per temporal patch of each video (temporal_patch_size / sampled fps)",
             ),
         )
+        if audio_in_video:
+            self.fields += (
+                FieldSpec(
+                    "use_audio_in_video",
+                    "bool",
+                    ("videos",),
+                    "per video: its audio track is an audio item of the request, its placeholders "
+                    "interleaved with the video's (the HF processor's use_audio_in_video); absent or "
+                    "empty: false",
+                    optional=True,
+                ),
+            )
 
     def wire_decoder(self, model: str | Path) -> WireDecoder | None:
         if not self.wire_fields:
@@ -330,15 +346,26 @@ class QwenVisionVideo(ModalitySpec):
                     expected="a positive number of seconds",
                     found=str(value),
                 )
+        flags = data.get("use_audio_in_video")
+        if flags is not None and tuple(flags.shape) != (grid.shape[0],):
+            raise ProcessedInputError(
+                "video",
+                field="use_audio_in_video",
+                expected=f"shape ({grid.shape[0]},) (one per video of video_grid_thw)",
+                found=f"shape {tuple(flags.shape)}",
+            )
 
     def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
         from mmserve.vllm_seam import MultiModalFieldConfig
 
-        return {
+        config = {
             "pixel_values_videos": MultiModalFieldConfig.flat_from_sizes("video", data["video_grid_thw"].prod(-1)),
             "video_grid_thw": MultiModalFieldConfig.batched("video"),
             "second_per_grid_ts": MultiModalFieldConfig.batched("video", keep_on_cpu=True),
         }
+        if "use_audio_in_video" in data:  # per video (vLLM's own is one flag for the request)
+            config["use_audio_in_video"] = MultiModalFieldConfig.batched("video", keep_on_cpu=True)
+        return config
 
     def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
         _, merge = _vision(hf_config)
@@ -346,6 +373,88 @@ class QwenVisionVideo(ModalitySpec):
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"video_grid_thw={item['video_grid_thw'].tolist()}"
+
+
+@dataclass(frozen=True)
+class AudioInVideo:
+    """Qwen2.5-Omni's videos with their audio track (the HF processor's ``use_audio_in_video``):
+    the video's placeholder becomes ``<|vision_bos|><|audio_bos|>`` + the video's and the audio's
+    embeddings in chunks by time + ``<|audio_eos|><|vision_eos|>`` (``vllm_seam.
+    omni_audio_in_video_tokens`` lays the chunks out, as vLLM's own processor does), and the
+    request's audio items are the videos' tracks, in order. As in vLLM 0.32 (whose processor drops
+    the placeholders of other audio then), all videos of a request share their audio or none do,
+    and no other audio comes with them."""
+
+    def placements(self, prompt_ids: Sequence[int], videos: Any, audios: Any, hf_config: PretrainedConfig) -> Any:
+        """``{"video": [...], "audio": [...]}`` (``vllm_seam.Placement``) when the videos share
+        their audio (``videos``, ``audios``: ``ProcessedItems``), else None. Raises
+        ``ProcessedInputError``."""
+        from mmserve.vllm_seam import Placement, omni_audio_in_video_tokens
+
+        flags = [bool(videos.get(i).get("use_audio_in_video", False)) for i in range(len(videos))]
+        if not any(flags):
+            return None
+        if not all(flags):
+            raise ProcessedInputError(
+                "video",
+                field="use_audio_in_video",
+                expected="the same for every video of a request (vLLM takes audio in video per request)",
+                found=str(flags),
+            )
+        audio_tokens = audios.expected_tokens() if audios is not None else []
+        if len(audio_tokens) != len(flags):
+            raise ProcessedInputError(
+                "audio",
+                expected=f"{len(flags)} audio item(s): the track of each video, in order (use_audio_in_video)",
+                found=f"{len(audio_tokens)}",
+            )
+        ids = np.asarray(prompt_ids, dtype=np.int64)
+        starts = np.flatnonzero(
+            (ids[1:] == hf_config.audio_start_token_id) & (ids[:-1] == hf_config.vision_start_token_id)
+        )
+        starts += 1
+        if len(starts) != len(flags):
+            raise ProcessedInputError(
+                "video",
+                field="prompt_token_ids",
+                expected=f"{len(flags)} <|vision_bos|><|audio_bos|> span(s) (one per video with its audio)",
+                found=f"{len(starts)}",
+                hint="the prompt must be expanded by the same processor, with use_audio_in_video",
+            )
+        video_id, audio_id = hf_config.video_token_index, hf_config.audio_token_index
+        out: dict[str, list[Any]] = {"video": [], "audio": []}
+        covered = 0
+        for index, start in enumerate(starts.tolist()):
+            item = videos.get(index)
+            want = omni_audio_in_video_tokens(
+                hf_config, audio_tokens[index], item["video_grid_thw"].tolist(), float(item["second_per_grid_ts"])
+            )
+            got = ids[start : start + len(want) + 1].tolist()
+            if got != [*want, hf_config.vision_end_token_id]:
+                at = next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), len(got) - 1)
+                found = got[at] if at < len(got) else "the end of the prompt"
+                raise ProcessedInputError(
+                    "video",
+                    item=index,
+                    field="prompt_token_ids",
+                    expected=f"{len(want)} tokens from <|audio_bos|> to <|audio_eos|>, then <|vision_eos|>: the "
+                    f"video's and the audio's in chunks by time (video_grid_thw={item['video_grid_thw'].tolist()}, "
+                    f"{audio_tokens[index]} audio tokens)",
+                    found=f"token {found} at offset {start + at}",
+                )
+            mask = np.asarray(want)
+            out["video"].append(Placement(start, len(want), (mask == video_id).tolist()))
+            out["audio"].append(Placement(start, len(want), (mask == audio_id).tolist()))
+            covered += int((mask == video_id).sum() + (mask == audio_id).sum())
+        stray = int(np.isin(ids, (video_id, audio_id)).sum()) - covered
+        if stray:
+            raise ProcessedInputError(
+                "audio",
+                field="prompt_token_ids",
+                expected="no other video or audio placeholders with use_audio_in_video (as vLLM 0.32)",
+                found=f"{stray} more",
+            )
+        return out
 
 
 def whisper_output_length(mel_frames: int) -> int:

@@ -1,8 +1,8 @@
-"""Qwen2.5-Omni thinker: text, images, audio and video (without its audio track, for now); the
+"""Qwen2.5-Omni thinker: text, images, audio and video, a video with its audio track too; the
 project's default model."""
 
 from mmserve.families.base import FamilySpec
-from mmserve.families.qwen import QwenVisionImage, QwenVisionVideo, WhisperAudio
+from mmserve.families.qwen import AudioInVideo, QwenVisionImage, QwenVisionVideo, WhisperAudio
 
 QWEN2_5_OMNI = FamilySpec(
     name="qwen2_5_omni",
@@ -12,6 +12,8 @@ QWEN2_5_OMNI = FamilySpec(
     modalities=(
         QwenVisionImage("<|IMAGE|>"),
         WhisperAudio("<|AUDIO|>", fixed_frames=False),
-        QwenVisionVideo("<|VIDEO|>", seconds_field="video_second_per_grid"),
+        QwenVisionVideo("<|VIDEO|>", seconds_field="video_second_per_grid", audio_in_video=True),
     ),
+    audio_in_video=AudioInVideo(),
+    model_mixins=("mmserve.vllm_seam:OmniAudioInVideoPositions",),
 )

@@ -30,7 +30,8 @@ class ProcessedItems(DictEmbeddingItems):
         super().__init__(
             tensors,
             spec.modality,
-            required_fields=spec.field_names,
+            required_fields=spec.required_field_names,
+            optional_fields=set(tensors) - spec.required_field_names,
             fields_factory=lambda fields: spec.fields_config(fields, hf_config),
         )
         self.spec = spec

@@ -83,17 +83,29 @@ class PassthroughProcessorMixin(vllm_seam.MultiModalProcessorHooks):
         return spec.placeholder_token
 
     def locate_placeholders(
-        self, modality: str, items: object, prompt_ids: Sequence[int], token_id: int
-    ) -> list[tuple[int, int]]:
-        assert isinstance(items, ProcessedItems)
-        return locate_items(
-            prompt_ids,
-            modality=modality,
-            token=items.spec.placeholder_token,
-            token_id=token_id,
-            expected=items.expected_tokens(),
-            describe=items.describe(),
-        )
+        self, mm_items: Mapping[str, Any], prompt_ids: Sequence[int], token_ids: Mapping[str, int]
+    ) -> dict[str, list[vllm_seam.Placement]]:
+        placed: dict[str, list[vllm_seam.Placement]] = {}
+        if self.family.audio_in_video is not None and "video" in mm_items:
+            hf_config = self.info.get_hf_config()  # type: ignore[attr-defined]
+            placed = (
+                self.family.audio_in_video.placements(prompt_ids, mm_items["video"], mm_items.get("audio"), hf_config)
+                or {}
+            )
+        for modality, items in mm_items.items():
+            if modality in placed:
+                continue
+            assert isinstance(items, ProcessedItems)
+            runs = locate_items(
+                prompt_ids,
+                modality=modality,
+                token=items.spec.placeholder_token,
+                token_id=token_ids[modality],
+                expected=items.expected_tokens(),
+                describe=items.describe(),
+            )
+            placed[modality] = [vllm_seam.Placement(offset, length) for offset, length in runs]
+        return placed
 
 
 def build_model_class(family: FamilySpec) -> type:
@@ -112,4 +124,10 @@ def build_model_class(family: FamilySpec) -> type:
         # Processed pixel values are normalized by the HF processor already; with this off vLLM
         # also normalizes raw images on the CPU, so both paths feed the tower the same values.
         normalize_on_device=False,
+        model_mixins=[_imported(path) for path in family.model_mixins],
     )
+
+
+def _imported(path: str) -> type:
+    module_name, name = path.split(":")
+    return getattr(importlib.import_module(module_name), name)

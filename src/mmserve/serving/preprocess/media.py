@@ -33,6 +33,15 @@ VIDEO_FORMATS = "MP4/MOV/WebM/MKV"
 
 
 @dataclass
+class Clip:
+    """One decoded audio clip: mono float32 at the feature extractor's rate."""
+
+    label: str  # "audio[0]", "audio_pcm[0]"
+    samples: np.ndarray
+    seconds: float  # duration as received
+
+
+@dataclass
 class Video:
     """One decoded video: RGB frames (frames, height, width, 3) uint8 and what the processor needs
     of its metadata."""
@@ -40,6 +49,8 @@ class Video:
     label: str  # "video[0]"
     frames: np.ndarray
     fps: float
+    audio: Clip | None = None
+    """Its audio track, when asked for (``use_audio_in_video``)."""
 
     @property
     def seconds(self) -> float:
@@ -49,15 +60,6 @@ class Video:
         """transformers' ``VideoMetadata`` fields: the processor samples frames and times the video by them."""
         frames, height, width, _ = self.frames.shape
         return {"total_num_frames": frames, "fps": self.fps, "width": width, "height": height}
-
-
-@dataclass
-class Clip:
-    """One decoded audio clip: mono float32 at the feature extractor's rate."""
-
-    label: str  # "audio[0]", "audio_pcm[0]"
-    samples: np.ndarray
-    seconds: float  # duration as received
 
 
 def payload_bytes(data: bytes | str) -> bytes:
@@ -125,10 +127,11 @@ class MediaDecoder:
             )
 
     # -- video ---------------------------------------------------------------------------------
-    def video(self, index: int, data: bytes | str) -> Video:
+    def video(self, index: int, data: bytes | str, *, with_audio: bool = False) -> Video:
         """``video[index]``'s frames as RGB, within ``max_video_frame_pixels`` (declared, then per
         frame), ``max_video_seconds`` (declared, then by the frames decoded) and
-        ``max_video_frames`` (decoding stops one frame past it)."""
+        ``max_video_frames`` (decoding stops one frame past it); ``with_audio``: its audio track
+        too, as an audio clip (``video[index].audio``, within the clip limits)."""
         import av
 
         what = f"video[{index}]"
@@ -167,7 +170,37 @@ class MediaDecoder:
             raise PreprocessError(f"{what}: no frame could be decoded from {len(payload)} bytes")
         if len({f.shape for f in frames}) > 1:
             raise PreprocessError(f"{what}: frames of different sizes ({sorted({f.shape[:2] for f in frames})[:3]})")
-        return Video(what, np.stack(frames), fps)
+        return Video(what, np.stack(frames), fps, self._audio_track(what, payload) if with_audio else None)
+
+    def _audio_track(self, what: str, payload: bytes) -> Clip:
+        """A video file's first audio stream, mixed down to mono float32 (its own rate; ``_clip``
+        resamples), read no further than the clip limit."""
+        import av
+
+        what = f"{what}.audio"
+        chunks: list[np.ndarray] = []
+        try:
+            with av.open(io.BytesIO(payload), mode="r") as container:
+                if not container.streams.audio:
+                    raise PreprocessError(f"{what}: the video has no audio track (use_audio_in_video)")
+                stream = container.streams.audio[0]
+                rate = _check_rate(what, stream.rate)
+                limit = math.floor(self.max_audio_seconds * rate)
+                mono = av.AudioResampler(format="flt", layout="mono", rate=rate)
+                read = 0
+                for frame in container.decode(stream):
+                    for out in mono.resample(frame):
+                        chunks.append(out.to_ndarray().reshape(-1))
+                        read += chunks[-1].size
+                    if read > limit:
+                        self._too_long(what, None)
+        except (PreprocessError, MemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - any decoder failure on untrusted bytes is the client's
+            raise PreprocessError(f"{what}: cannot decode the audio track: {exc}") from None
+        if not chunks:
+            raise PreprocessError(f"{what}: the audio track has no samples")
+        return self._clip(what, np.concatenate(chunks), rate)
 
     def _check_frame_pixels(self, what: str, width: int, height: int) -> None:
         limit = self.limits.max_video_frame_pixels

@@ -243,6 +243,10 @@ class Preprocessor:
         if videos:
             kwargs["videos"] = [video.frames for video in videos]
             kwargs["video_metadata"] = [video.metadata() for video in videos]
+            tracks = [video.audio.samples for video in videos if video.audio is not None]
+            if tracks:  # every video's (use_audio_in_video), and no other audio
+                kwargs["use_audio_in_video"] = True
+                clips = tracks
         for modality, items in (("image", images), ("audio", clips)):
             spec = self.family.modality(modality)
             if items and spec is not None:
@@ -372,6 +376,8 @@ class Preprocessor:
     ) -> None:
         given = {"image": len(images), "audio": len(clips), "video": len(videos)}
         for modality, (token, token_id) in self.placeholder_ids.items():
+            if modality in ("audio", "video") and any(video.audio is not None for video in videos):
+                continue  # in chunks by time: mm_llm's pass-through checks the layout
             runs = len(placeholder_runs(input_ids, token_id))
             if runs == given.get(modality, 0):
                 continue
@@ -395,11 +401,13 @@ class Preprocessor:
         messages: str | bytes | None = None,
         videos: Sequence[bytes | str] = (),
         tools: str | bytes | None = None,
+        use_audio_in_video: bool = False,
     ) -> dict[str, np.ndarray]:
         """``input_ids`` and every feature tensor of the contract, as numpy arrays.
 
         ``messages``: a conversation (UTF-8 JSON, see the package docstring) instead of ``text``;
-        ``tools``: its function tools (UTF-8 JSON), for the chat template.
+        ``tools``: its function tools (UTF-8 JSON), for the chat template; ``use_audio_in_video``:
+        each video's audio track is heard too (families with ``audio_in_video``).
 
         Raises:
             PreprocessError: the request is invalid or over a limit (the message names the input).
@@ -421,8 +429,15 @@ class Preprocessor:
         else:
             self._check_request(text, images, audios, pcm, videos=videos)
             prompt_text = decode_text(text)
+        with_audio = use_audio_in_video and bool(videos)
+        if with_audio and self.family.audio_in_video is None:
+            raise PreprocessError(f"use_audio_in_video: the {self.family.name} model takes no audio in video")
+        if with_audio and (audios or pcm):
+            raise PreprocessError(
+                "use_audio_in_video: audio and audio_pcm must be absent (vLLM takes a video's own audio only then)"
+            )
         pil_images = [self.media.image(i, data) for i, data in enumerate(images)]
-        decoded_videos = [self.media.video(i, data) for i, data in enumerate(videos)]
+        decoded_videos = [self.media.video(i, data, with_audio=with_audio) for i, data in enumerate(videos)]
         clips = self.media.clips(audios, pcm)
 
         what = "text_input" if conversation is None else "messages"
@@ -457,6 +472,8 @@ class Preprocessor:
         self._check_placeholders(
             input_ids, pil_images, clips, raw_prompt=not apply_chat_template, videos=decoded_videos
         )
+        if with_audio:
+            processed = {**processed, "use_audio_in_video": np.ones(len(decoded_videos), dtype=bool)}
         return {INPUT_IDS.name: input_ids, **self._features(processed)}
 
     def decode_wire(self, outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

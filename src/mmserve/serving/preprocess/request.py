@@ -23,6 +23,7 @@ class PreprocessRequest:
     messages: str | bytes | None = None
     videos: list[Any] = field(default_factory=list)
     tools: str | bytes | None = None
+    use_audio_in_video: bool = False
 
     def kwargs(self) -> dict[str, Any]:
         """The fields by name: the call's keyword arguments (no copy of the arrays)."""
@@ -51,7 +52,7 @@ def parse_preprocess_request(get: Callable[[str], np.ndarray | None]) -> Preproc
         if rate is None or rate.size != 1:
             raise PreprocessError("audio_sample_rate: required (INT32 [1]) with audio_pcm")
         clips.append((pcm.reshape(-1), int(rate.reshape(-1)[0])))
-    template = get("apply_chat_template")
+    template, audio_in_video = get("apply_chat_template"), get("use_audio_in_video")
     return PreprocessRequest(
         text=None if text is None else text.reshape(-1)[0],
         images=_items(get("image")),
@@ -61,6 +62,9 @@ def parse_preprocess_request(get: Callable[[str], np.ndarray | None]) -> Preproc
         messages=None if messages is None else messages.reshape(-1)[0],
         videos=_items(get("video")),
         tools=None if tools is None else tools.reshape(-1)[0],
+        use_audio_in_video=audio_in_video is not None
+        and audio_in_video.size > 0
+        and bool(audio_in_video.reshape(-1)[0]),
     )
 
 
