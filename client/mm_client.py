@@ -26,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--video", action="append", default=[], metavar="FILE", help="video file, for models with video (repeatable)"
     )
+    parser.add_argument(
+        "--use-audio-in-video",
+        action="store_true",
+        help="hear each video's audio track too (Qwen2.5-Omni; the videos' files must have one)",
+    )
     parser.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     parser.add_argument("--url", help="host:port (default 127.0.0.1:8001 for gRPC, :8000 for HTTP)")
     parser.add_argument("--no-stream", dest="stream", action="store_false", help="one response at the end")
@@ -60,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.video:
             options["videos"] = args.video
+        if args.use_audio_in_video:
+            options["use_audio_in_video"] = True
         if args.stream:
             for delta in client.stream(args.prompt, args.image, args.audio, **options):
                 print(delta, end="", flush=True)

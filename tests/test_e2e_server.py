@@ -355,6 +355,27 @@ def test_perf_analyzer_against_the_ensemble(server, tmp_path):
     assert "Throughput:" in run.stdout
 
 
+def test_a_video_with_its_audio_through_the_ensemble_equals_hf(server, omni_reference):
+    """A video file with an audio track and ``use_audio_in_video`` (gRPC and HTTP) through
+    mm_ensemble: HF transformers' greedy tokens on the frames and the waveform."""
+    from mmserve.client import MMClient
+    from mmserve_dev.samples import VIDEO_FPS, encode_video, sample_audio, sample_video
+
+    from utils import hf_video_with_audio_tokens
+
+    frames = sample_video(23, frames=26)
+    audio = sample_audio(24, seconds=len(frames) / VIDEO_FPS)
+    expected = hf_video_with_audio_tokens(omni_reference, frames, audio)
+    video = encode_video(frames, audio=audio)
+    result = _client(server).generate("What happens?", videos=[video], use_audio_in_video=True, **_sampling())
+    assert result.output_ids == expected
+    if server.http:
+        over_http = MMClient(server.http, "http", timeout=180).generate(
+            "What happens?", videos=[video], use_audio_in_video=True, **_sampling()
+        )
+        assert over_http.text == result.text
+
+
 def test_a_video_through_the_ensemble_equals_hf(server, omni_reference):
     """A video file sent with the client (gRPC and HTTP) through mm_ensemble: the greedy tokens of
     HF transformers (the Omni thinker) on the frames the file was made from."""

@@ -181,6 +181,35 @@ def test_video_url_parts_reach_the_model(server, sdk):
     assert reply.choices[0].message.content == triton.text
 
 
+def test_a_video_with_its_audio_as_vllm_serve_takes_it(server, sdk):
+    """A ``video_url`` with an audio track and vLLM's ``mm_processor_kwargs: {"use_audio_in_video":
+    true}`` answers as mm_ensemble with the client's ``use_audio_in_video`` (whose tokens equal HF
+    transformers': tests/test_e2e_server.py); other processor settings are refused by name."""
+    import openai
+
+    from mmserve_dev.samples import VIDEO_FPS, encode_video, sample_audio, sample_video
+
+    frames = sample_video(23, frames=26)
+    video = encode_video(frames, audio=sample_audio(24, seconds=len(frames) / VIDEO_FPS))
+    url = "data:video/quicktime;base64," + base64.b64encode(video).decode()
+    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens?"}]
+    reply = sdk.chat.completions.create(
+        model="mm_ensemble",
+        messages=[{"role": "user", "content": content}],
+        extra_body={"mm_processor_kwargs": {"use_audio_in_video": True}},
+        **GREEDY,
+    )
+    triton = triton_client(server).generate("What happens?", videos=[video], use_audio_in_video=True, **_sampling())
+    assert reply.choices[0].message.content == triton.text
+    with pytest.raises(openai.BadRequestError, match="only use_audio_in_video"):
+        sdk.chat.completions.create(
+            model="mm_ensemble",
+            messages=[{"role": "user", "content": content}],
+            extra_body={"mm_processor_kwargs": {"fps": 2}},
+            **GREEDY,
+        )
+
+
 def test_response_format_json_schema_equals_the_offline_engine(references, sdk):
     """Extracting fields from an image as JSON (``response_format: json_schema``): offline vLLM's
     greedy output under the same schema, valid against it; streamed, the same text."""

@@ -331,21 +331,11 @@ def _video_with_audio(seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _hf_audio_in_video(reference, frames: np.ndarray, audio: np.ndarray):
     from mmserve_dev.hf_reference import chat_prompt
-    from mmserve_dev.samples import AUDIO_SAMPLE_RATE
+
+    from utils import hf_on_video_with_audio
 
     text = chat_prompt("qwen2_5_omni", reference.processor, ["video", "text:What happens?"])
-    metadata = [
-        {"total_num_frames": len(frames), "fps": float(VIDEO_FPS), "width": frames.shape[2], "height": frames.shape[1]}
-    ]
-    return reference.processor(
-        text=[text],
-        videos=[frames],
-        video_metadata=metadata,
-        audio=[audio],
-        sampling_rate=AUDIO_SAMPLE_RATE,
-        use_audio_in_video=True,
-        return_tensors="pt",
-    )
+    return hf_on_video_with_audio(reference.processor, text, frames, audio)
 
 
 def test_omni_audio_in_video_is_what_its_hf_processor_makes(omni_preprocessor, omni_reference):
@@ -440,16 +430,14 @@ def test_omni_audio_in_video_parity_with_hf(omni_engine, omni_reference, omni_pr
     media (the plugin's model class, with ``vllm_seam.OmniAudioInVideoPositions``) = vLLM on
     ``preprocess``'s tensors of the video file. (Stock vLLM 0.32 answers otherwise: its positions
     of the span are one token off.)"""
-    import torch
-
     from mmserve.families import get_family
     from mmserve.inputs import processed_prompt
 
+    from utils import hf_video_with_audio_tokens
+
     frames, audio = _video_with_audio(47)
     hf = _hf_audio_in_video(omni_reference, frames, audio)
-    with torch.no_grad():
-        out = omni_reference.model.generate(**hf, use_audio_in_video=True, max_new_tokens=12, do_sample=False)
-    expected = out[0, hf["input_ids"].shape[1] :].tolist()
+    expected = hf_video_with_audio_tokens(omni_reference, frames, audio, max_new_tokens=12)
 
     wire = omni_preprocessor("What happens?", videos=[encode_video(frames, audio=audio)], use_audio_in_video=True)
     tensors = omni_preprocessor.decode_wire(wire)

@@ -678,3 +678,39 @@ def hf_video_tokens(reference, text: str, videos: list[np.ndarray], max_new_toke
     with torch.no_grad():
         out = reference.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def hf_on_video_with_audio(processor, text: str, frames: np.ndarray, audio: np.ndarray, fps: int = VIDEO_FPS) -> Any:
+    """The HF processor on one video's frames and its audio track with ``use_audio_in_video`` (the
+    placeholders interleaved by time), as tensors for the model."""
+    from mmserve_dev.samples import AUDIO_SAMPLE_RATE
+
+    metadata = [
+        {"total_num_frames": len(frames), "fps": float(fps), "width": frames.shape[2], "height": frames.shape[1]}
+    ]
+    return processor(
+        text=[text],
+        videos=[frames],
+        video_metadata=metadata,
+        audio=[audio],
+        sampling_rate=AUDIO_SAMPLE_RATE,
+        use_audio_in_video=True,
+        return_tensors="pt",
+    )
+
+
+def hf_video_with_audio_tokens(
+    reference, frames: np.ndarray, audio: np.ndarray, max_new_tokens: int = MAX_TOKENS
+) -> list[int]:
+    """HF transformers' greedy tokens for one video with its audio track and "What happens?"."""
+    import torch
+
+    from mmserve_dev.hf_reference import chat_prompt
+
+    text = chat_prompt(reference.family_name, reference.processor, ["video", "text:What happens?"])
+    inputs = hf_on_video_with_audio(reference.processor, text, frames, audio)
+    with torch.no_grad():
+        out = reference.model.generate(
+            **inputs, use_audio_in_video=True, max_new_tokens=max_new_tokens, do_sample=False
+        )
+    return out[0, inputs["input_ids"].shape[1] :].tolist()

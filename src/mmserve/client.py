@@ -193,7 +193,10 @@ class MMClient:
         if self.protocol != "grpc":
             raise ValueError("start() streams over gRPC: use protocol='grpc'")
         params, flags, apply_chat_template = self._options(stream, **options)
-        tensors = self._tensors(text, images, audios, apply_chat_template, messages, videos, params.get("tools"))
+        audio_in_video = flags.pop("use_audio_in_video", False)
+        tensors = self._tensors(
+            text, images, audios, apply_chat_template, messages, videos, params.get("tools"), audio_in_video
+        )
         tensors["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=np.object_)
         for name, value in flags.items():
             tensors[name] = np.array([value])
@@ -231,15 +234,24 @@ class MMClient:
         return {k: v for k, v in options.items() if v is not None}
 
     def _options(
-        self, stream: bool, *, exclude_input_in_output: bool = True, apply_chat_template: bool = True, **sampling: Any
+        self,
+        stream: bool,
+        *,
+        exclude_input_in_output: bool = True,
+        apply_chat_template: bool = True,
+        use_audio_in_video: bool = False,
+        **sampling: Any,
     ) -> tuple[dict[str, Any], dict[str, bool], bool]:
-        """(sampling parameters, the request's flags, apply_chat_template) of a request's options."""
+        """(sampling parameters, the request's flags, apply_chat_template) of a request's options;
+        ``use_audio_in_video``: each video's audio track is heard too (Qwen2.5-Omni)."""
         flags = {
             "stream": stream,
             "exclude_input_in_output": exclude_input_in_output,
             "return_finish_reason": True,
             "return_num_input_tokens": True,
         }  # not num_output_tokens: a tensor in every response for len(output_ids) (``Result``)
+        if use_audio_in_video:
+            flags["use_audio_in_video"] = True
         return self.sampling_parameters(**sampling), flags, apply_chat_template
 
     def _responses(
@@ -270,6 +282,7 @@ class MMClient:
         messages: Messages | None = None,
         videos: Sequence[Media] = (),
         tools: Sequence[Mapping[str, Any]] | None = None,
+        use_audio_in_video: bool = False,
     ) -> dict[str, np.ndarray]:
         conversation = None if messages is None else _messages_json(messages)
         tools_json = None if tools is None else json.dumps(list(tools), ensure_ascii=False)
@@ -282,6 +295,7 @@ class MMClient:
                 messages=conversation,
                 videos=[_read(m) for m in videos],
                 tools=tools_json,
+                use_audio_in_video=use_audio_in_video,
             )
             processed["text_input"] = np.array([text.encode()], dtype=np.object_)
             return processed
@@ -301,6 +315,8 @@ class MMClient:
             tensors["video"] = np.array([_read(m) for m in videos], dtype=np.object_)
         if tools_json is not None:  # for the chat template; sampling_parameters carries them for the engine
             tensors["tools"] = np.array([tools_json.encode()], dtype=np.object_)
+        if use_audio_in_video:
+            tensors["use_audio_in_video"] = np.array([True])
         return tensors
 
     # -- HTTP: the generate endpoints (JSON, so media travel as data URLs) --------------------------

@@ -247,6 +247,8 @@ def _request_tensors(request: ChatCompletionRequest, conv: Conversation) -> dict
         tensors["audio"] = _bytes_array(conv.audios)
     if conv.videos:
         tensors["video"] = _bytes_array(conv.videos)
+        if request.use_audio_in_video:
+            tensors["use_audio_in_video"] = flag(True)
     if request.tools:
         dumped = [tool.model_dump(exclude_none=True) for tool in request.tools]
         tensors["tools"] = np.array([json.dumps(dumped, ensure_ascii=False).encode()], dtype=np.object_)

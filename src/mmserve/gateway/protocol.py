@@ -27,6 +27,8 @@ that names the field, never silently dropped:
   ``json_object``), as vLLM's server maps them: ``response_format`` sets the constraint of
   ``structured_outputs``. Checked by ``mm_llm`` (``mmserve.serving.sampling``) and vLLM's front end,
   answered 400.
+* vLLM's ``mm_processor_kwargs``: ``{"use_audio_in_video": true}`` only (Qwen2.5-Omni hears each
+  video's audio track too); other processor settings are the deployment's.
 * tool calling: ``tools`` (functions), ``tool_choice`` (``none``, ``auto``, the default with
   tools, ``required``, a named function), ``parallel_tool_calls``, as ``vllm serve
   --enable-auto-tool-choice --tool-call-parser hermes`` serves them (``mmserve.gateway.tools``).
@@ -195,6 +197,7 @@ class ChatCompletionRequest(Strict):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    use_audio_in_video: bool = False  # vLLM's mm_processor_kwargs.use_audio_in_video (Qwen2.5-Omni)
     parallel_tool_calls: bool | None = None  # false: at most one call per choice
     # accepted, no effect
     user: str | None = None
@@ -232,9 +235,14 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "add_generation_prompt": (_default(True), "the prompt always ends with the generation prompt"),
     "continue_final_message": (_default(False), "a conversation ends with a user or tool message"),
     "add_special_tokens": (_default(False), "the chat template places the special tokens"),
-    **dict.fromkeys(
-        ("mm_processor_kwargs", "media_io_kwargs"),
-        (_default(), "preprocess runs the model's processor with its deployment's settings (config.pbtxt)"),
+    "mm_processor_kwargs": (
+        lambda value: value is None or (isinstance(value, dict) and set(value) <= {"use_audio_in_video"}),
+        "preprocess runs the model's processor with its deployment's settings (config.pbtxt); of "
+        "mm_processor_kwargs only use_audio_in_video is taken",
+    ),
+    "media_io_kwargs": (
+        _default(),
+        "preprocess runs the model's processor with its deployment's settings (config.pbtxt)",
     ),
     **dict.fromkeys(
         ("truncate_prompt_tokens", "truncation_side"),
@@ -275,11 +283,15 @@ def parse_request(body: Any) -> ChatCompletionRequest:
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, found {type(body).__name__}", code="invalid_json")
     body = dict(body)
+    if "use_audio_in_video" in body:  # a field of the model below, not of the API: mm_processor_kwargs's
+        raise invalid("use_audio_in_video: unknown field", param="use_audio_in_video", code="unknown_field")
     for name, (harmless, why) in UNSUPPORTED.items():
         if name in body:
             value = body.pop(name)
             if not harmless(value):
                 raise invalid(why, param=name, code="unsupported")
+            if name == "mm_processor_kwargs" and value:
+                body["use_audio_in_video"] = value["use_audio_in_video"]
     try:
         request = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
