@@ -236,10 +236,15 @@ def test_the_example_clip_is_a_video_the_default_model_takes(tiny_models):
 
     from mmserve.serving.preprocess import Preprocessor
 
-    clip = (Path(__file__).resolve().parents[1] / "examples" / "media" / "clip.mp4").read_bytes()
-    out = Preprocessor(tiny_models["qwen2_5_omni"])("What happens?", videos=[clip])
+    media = Path(__file__).resolve().parents[1] / "examples" / "media"
+    preprocessor = Preprocessor(tiny_models["qwen2_5_omni"])
+    out = preprocessor("What happens?", videos=[(media / "clip.mp4").read_bytes()])
     [(t, h, w)] = out["video_grid_thw"].tolist()
     assert t == 4 and out["pixel_values_videos"].shape[0] == t * h * w
+    # clip_with_audio.mov: the same frames (MPEG-4 in MOV) with 1 s of tone.wav as its audio track
+    out = preprocessor("What happens?", videos=[(media / "clip_with_audio.mov").read_bytes()], use_audio_in_video=True)
+    assert out["use_audio_in_video"].tolist() == [True] and out["video_grid_thw"].tolist() == [[t, h, w]]
+    assert out["feature_attention_mask"].sum() == 100  # 1 s of 10-ms frames
 
 
 # -- Qwen2.5-Omni: video without its audio track ----------------------------------------------------------

@@ -91,7 +91,9 @@ def encode_video(
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
         if track is not None and audio is not None:
-            samples = av.AudioFrame.from_ndarray(np.asarray(audio, np.float32).reshape(1, -1), format="flt", layout="mono")
+            samples = av.AudioFrame.from_ndarray(
+                np.asarray(audio, np.float32).reshape(1, -1), format="flt", layout="mono"
+            )
             samples.sample_rate = sample_rate
             container.mux(track.encode(samples))
             container.mux(track.encode())
