@@ -471,3 +471,70 @@ def test_omni_audio_in_video_parity_with_hf(omni_engine, omni_reference, omni_pr
     raw_run = omni_engine.generate_sync(raw, greedy(12))
     assert list(raw_run.prompt_token_ids) == hf["input_ids"][0].tolist()
     assert list(raw_run.outputs[0].token_ids) == expected, "vLLM on the raw video and audio != HF"
+
+
+@pytest.mark.engine
+def test_omni_image_video_and_audio_in_one_request_match_hf(omni_engine, omni_reference, omni_preprocessor):
+    """An image, a video and an audio clip in one conversation: HF transformers on the raw media =
+    vLLM on ``preprocess``'s tensors of the files = vLLM on the raw media."""
+    import json
+
+    import torch
+
+    from mmserve.families import get_family
+    from mmserve.inputs import processed_prompt
+    from mmserve_dev.hf_reference import chat_prompt
+    from mmserve_dev.samples import AUDIO_SAMPLE_RATE, encode_audio, encode_image, sample_audio, sample_image
+
+    image, frames, audio = sample_image(51), sample_video(52, frames=6), sample_audio(53, seconds=1.5)
+    parts = ["image", "video", "audio", "text:What do you get?"]
+    text = chat_prompt("qwen2_5_omni", omni_reference.processor, parts)
+    metadata = {
+        "total_num_frames": len(frames),
+        "fps": float(VIDEO_FPS),
+        "width": frames.shape[2],
+        "height": frames.shape[1],
+    }
+    hf = omni_reference.processor(
+        text=[text],
+        images=[image],
+        videos=[frames],
+        video_metadata=[metadata],
+        audio=[audio],
+        sampling_rate=AUDIO_SAMPLE_RATE,
+        return_tensors="pt",
+    )
+    with torch.no_grad():
+        out = omni_reference.model.generate(**hf, max_new_tokens=12, do_sample=False)
+    expected = out[0, hf["input_ids"].shape[1] :].tolist()
+
+    content = [{"type": "image"}, {"type": "video"}, {"type": "audio"}, {"type": "text", "text": "What do you get?"}]
+    wire = omni_preprocessor(
+        None,
+        [encode_image(image)],
+        [encode_audio(audio)],
+        messages=json.dumps([{"role": "user", "content": content}]),
+        videos=[encode_video(frames)],
+    )
+    tensors = omni_preprocessor.decode_wire(wire)
+    np.testing.assert_array_equal(tensors["input_ids"], hf["input_ids"][0].numpy())
+    got = omni_engine.generate_sync(
+        processed_prompt(get_family("qwen2_5_omni"), tensors["input_ids"], tensors), greedy(12)
+    )
+    assert list(got.outputs[0].token_ids) == expected, "vLLM on preprocess's tensors != HF"
+
+    raw_metadata = {
+        **metadata,
+        "frames_indices": list(range(len(frames))),
+        "duration": len(frames) / VIDEO_FPS,
+        "video_backend": "opencv",
+    }
+    raw = {
+        "prompt": text,
+        "multi_modal_data": {
+            "image": [image],
+            "video": [(frames, raw_metadata)],
+            "audio": [(audio, AUDIO_SAMPLE_RATE)],
+        },
+    }
+    assert list(omni_engine.generate_sync(raw, greedy(12)).outputs[0].token_ids) == expected, "vLLM raw != HF"
