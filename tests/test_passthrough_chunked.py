@@ -75,3 +75,48 @@ def test_videos_under_chunked_prefill_and_prefix_caching_match_hf(chunked_engine
     assert all(len(p["prompt_token_ids"]) > 2 * CHUNK for p in prompts[:3])
     outputs = chunked_engine.submit(run_concurrently(chunked_engine, prompts, stagger_s=0.03)).result()
     assert outputs == [*expected, expected[0], expected[1]]
+
+
+def test_a_video_with_its_audio_under_chunked_prefill_matches_hf(chunked_engine, omni_reference, tiny_models):
+    """A video with its audio track (``use_audio_in_video``), its interleaved span cut into 16-token
+    steps, twice at once (the second a prefix-cache hit), processed and raw = HF transformers. At 6
+    fps, 14 frames span two of the model's 2-second chunks within this engine's encoder budget."""
+    from mmserve.families import get_family
+    from mmserve.inputs import processed_prompt
+    from mmserve.serving.preprocess import Preprocessor
+    from mmserve_dev.hf_reference import chat_prompt
+    from mmserve_dev.samples import AUDIO_SAMPLE_RATE, VIDEO_FPS, encode_video, sample_audio, sample_video
+
+    from utils import hf_video_with_audio_tokens
+
+    fps = VIDEO_FPS // 2
+    frames = sample_video(61, frames=14)
+    audio = sample_audio(62, seconds=len(frames) / fps)
+    expected = hf_video_with_audio_tokens(omni_reference, frames, audio, fps=fps)
+    preprocessor = Preprocessor(tiny_models["qwen2_5_omni"])
+    tensors = preprocessor.decode_wire(
+        preprocessor("What happens?", videos=[encode_video(frames, fps, audio=audio)], use_audio_in_video=True)
+    )
+    processed_one = processed_prompt(get_family("qwen2_5_omni"), tensors["input_ids"], tensors)
+    ids = processed_one["prompt_token_ids"]
+    audio_id, video_id = omni_reference.model.config.audio_token_index, omni_reference.model.config.video_token_index
+    last_video = len(ids) - 1 - ids[::-1].index(video_id)
+    assert ids.index(audio_id) < last_video  # two chunks: video, audio, video, audio
+    metadata = {
+        "fps": float(fps),
+        "total_num_frames": len(frames),
+        "frames_indices": list(range(len(frames))),
+        "duration": len(frames) / fps,
+        "height": frames.shape[1],
+        "width": frames.shape[2],
+        "video_backend": "opencv",
+    }
+    raw = {
+        "prompt": chat_prompt("qwen2_5_omni", omni_reference.processor, ["video", "text:What happens?"]),
+        "multi_modal_data": {"video": [(frames, metadata)], "audio": [(audio, AUDIO_SAMPLE_RATE)]},
+        "mm_processor_kwargs": {"use_audio_in_video": True},
+    }
+    outputs = chunked_engine.submit(
+        run_concurrently(chunked_engine, [processed_one, processed_one, raw], stagger_s=0.03)
+    ).result()
+    assert outputs == [expected] * 3, outputs

@@ -700,15 +700,15 @@ def hf_on_video_with_audio(processor, text: str, frames: np.ndarray, audio: np.n
 
 
 def hf_video_with_audio_tokens(
-    reference, frames: np.ndarray, audio: np.ndarray, max_new_tokens: int = MAX_TOKENS
+    reference, frames: np.ndarray, audio: np.ndarray, max_new_tokens: int = MAX_TOKENS, fps: int = VIDEO_FPS
 ) -> list[int]:
-    """HF transformers' greedy tokens for one video with its audio track and "What happens?"."""
+    """HF transformers' greedy tokens for one video (``fps``) with its audio track and "What happens?"."""
     import torch
 
     from mmserve_dev.hf_reference import chat_prompt
 
     text = chat_prompt(reference.family_name, reference.processor, ["video", "text:What happens?"])
-    inputs = hf_on_video_with_audio(reference.processor, text, frames, audio)
+    inputs = hf_on_video_with_audio(reference.processor, text, frames, audio, fps)
     with torch.no_grad():
         out = reference.model.generate(
             **inputs, use_audio_in_video=True, max_new_tokens=max_new_tokens, do_sample=False

@@ -170,7 +170,7 @@ _SIGNATURES = {
         "tokenizer",
     ),
     ("vllm.parser.abstract_parser", "Parser", "adjust_request"): ("self", "request"),
-    # Qwen2.5-Omni's audio in video (omni_audio_in_video_tokens, OmniAudioInVideoPositions)
+    # Qwen2.5-Omni's audio in video (omni_audio_in_video_tokens, OmniAudioInVideo)
     (
         "vllm.model_executor.models.qwen2_5_omni_thinker",
         "Qwen2_5OmniThinkerMultiModalProcessor",
@@ -487,10 +487,12 @@ class MultiModalProcessorHooks:
         return prompt_ids, placeholders
 
 
-class OmniAudioInVideoPositions:
-    """Qwen2.5-Omni's M-RoPE positions for a video with its audio track (``use_audio_in_video``)
-    as HF transformers computes them (``Qwen2_5OmniPreTrainedModelForConditionalGeneration.
-    get_rope_index``, the model's reference), over vLLM's ``get_mrope_input_positions``.
+class OmniAudioInVideo:
+    """Two fixes of vLLM 0.32's Qwen2.5-Omni thinker for a video with its audio track
+    (``use_audio_in_video``), on the raw path and the pass-through alike: the embeddings merge of a
+    chunked prefill step (``embed_input_ids``), and the M-RoPE positions as HF transformers computes
+    them (``Qwen2_5OmniPreTrainedModelForConditionalGeneration.get_rope_index``, the model's
+    reference) over vLLM's ``get_mrope_input_positions``:
 
     vLLM 0.32 places the span ``<|audio_bos|> (video and audio chunks) <|audio_eos|>`` one token
     late: it gives ``<|audio_bos|>`` the first chunk's position where HF gives it
@@ -498,7 +500,36 @@ class OmniAudioInVideoPositions:
     the span are counted as text (the greedy tokens then differ from HF's:
     ``tests/test_passthrough_video.py::test_omni_audio_in_video_parity_with_hf``). Positions of
     everything else are vLLM's, computed as its own method computes them. Ends with the vLLM
-    release whose positions equal HF's for audio in video (the test says so)."""
+    release that gets both right (the two tests say so)."""
+
+    def embed_input_ids(self, input_ids: Any, multimodal_embeddings: Any = None, *, is_multimodal: Any = None) -> Any:
+        """With video and audio tokens in the step, each modality's embeddings go to its own tokens
+        (vLLM's ``merge_interleaved_embeddings``). vLLM 0.32 does so only when the step's tokens
+        interleave (``check_interleaved_audio_video``): a chunked prefill step holding the end of a
+        video chunk and the start of the audio chunk after it is merged in the embeddings' order
+        instead, audio rows into video tokens
+        (``tests/test_passthrough_chunked.py::test_a_video_with_its_audio_under_chunked_prefill_matches_hf``)."""
+        from vllm.model_executor.models import qwen2_5_omni_thinker as stock
+
+        if multimodal_embeddings and is_multimodal is not None:
+            config = self.config  # type: ignore[attr-defined]
+            with stock.gpu_sync_allowed():
+                ids = input_ids.cpu()
+                is_video = is_multimodal & (ids == config.video_token_index)
+                is_audio = is_multimodal & (ids == config.audio_token_index)
+                both = bool(is_video.any()) and bool(is_audio.any())
+            if both:
+                embeds = self._embed_text_input_ids(  # type: ignore[attr-defined]
+                    input_ids,
+                    self.get_language_model().embed_input_ids,  # type: ignore[attr-defined]
+                    is_multimodal=is_multimodal,
+                )
+                return stock.merge_interleaved_embeddings(
+                    embeds, multimodal_embeddings, is_video, is_audio, is_multimodal
+                )
+        return super().embed_input_ids(  # type: ignore[misc]
+            input_ids, multimodal_embeddings, is_multimodal=is_multimodal
+        )
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[Any]) -> tuple[Any, int]:
         import numpy as np
@@ -574,7 +605,7 @@ def derive_model_class(
     made of the mixins over ``base``'s stock processing info and processor (``attrs`` go into
     both); the stock dummy-inputs builder is kept. ``normalize_on_device`` is vLLM's
     ``supports_mm_device_do_normalize``: whether raw images may be normalized on the device.
-    ``model_mixins`` go before ``base`` (fixes of the stock model, e.g. ``OmniAudioInVideoPositions``)."""
+    ``model_mixins`` go before ``base`` (fixes of the stock model, e.g. ``OmniAudioInVideo``)."""
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
     stock = base._processor_factory  # type: ignore[attr-defined]  # set by vLLM's register_processor
@@ -592,7 +623,7 @@ def derive_model_class(
 
 __all__ = [
     "VLLM_VERSION",
-    "OmniAudioInVideoPositions",
+    "OmniAudioInVideo",
     "Placement",
     "omni_audio_in_video_tokens",
     "AsyncLLM",

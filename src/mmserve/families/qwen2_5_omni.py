@@ -15,5 +15,5 @@ QWEN2_5_OMNI = FamilySpec(
         QwenVisionVideo("<|VIDEO|>", seconds_field="video_second_per_grid", audio_in_video=True),
     ),
     audio_in_video=AudioInVideo(),
-    model_mixins=("mmserve.vllm_seam:OmniAudioInVideoPositions",),
+    model_mixins=("mmserve.vllm_seam:OmniAudioInVideo",),
 )
