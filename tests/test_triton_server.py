@@ -495,3 +495,24 @@ def test_the_bind_address_is_a_setting(tmp_path: Path) -> None:
         for endpoint in ("http", "grpc", "metrics"):
             assert f"--{endpoint}-address={host}" in command
         assert (server.http_url, server.grpc_url) == ("127.0.0.1:1", "127.0.0.1:2")
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["orphan", "held"])
+def test_orphan_semaphores_are_removed_before_a_start(held: bool) -> None:
+    """A multiprocessing named semaphore left in /dev/shm by a SIGKILLed engine (no process maps it,
+    older than a minute) goes at the next server start (``remove_stale_shm``); one a live process
+    holds stays."""
+    import mmap
+
+    from mmserve_dev.triton import remove_stale_shm
+
+    path = Path("/dev/shm") / f"sem.mp-mmserve-test-{os.getpid()}-{int(held)}"
+    path.write_bytes(b"\0" * 32)
+    old = time.time() - 120
+    os.utime(path, (old, old))
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 32) if held else contextlib.nullcontext():
+        try:
+            removed = remove_stale_shm()
+            assert (path.name in removed) is (not held) and path.exists() is held
+        finally:
+            path.unlink(missing_ok=True)

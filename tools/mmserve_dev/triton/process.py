@@ -69,8 +69,16 @@ def free_ports(count: int = 3, host: str = "127.0.0.1") -> list[int]:
 _SHM_PREFIX_RE = re.compile(r"^mmserve_(\d+)_\d+_")
 
 
+SEMAPHORE_GLOB = "sem.mp-*"
+"""Python multiprocessing's named semaphores (vLLM's engine makes them): their resource tracker
+removes them at exit, but not when it is SIGKILLed with its process group."""
+SEMAPHORE_MIN_AGE_S = 60.0
+
+
 def remove_stale_shm() -> list[str]:
-    """Remove /dev/shm regions named by the default prefix (``mmserve_<pid>_<n>_``) whose process is gone."""
+    """Remove /dev/shm regions named by the default prefix (``mmserve_<pid>_<n>_``) whose process
+    is gone, and multiprocessing's named semaphores (``sem.mp-*``) that no live process has open
+    (mapped) and that are older than a minute."""
     removed = []
     with contextlib.suppress(OSError):
         for name in os.listdir(SHM_DIR):
@@ -80,7 +88,24 @@ def remove_stale_shm() -> list[str]:
             with contextlib.suppress(OSError):
                 (SHM_DIR / name).unlink()
                 removed.append(name)
+    for path in _orphan_semaphores():
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path.name)
     return removed
+
+
+def _orphan_semaphores() -> list[Path]:
+    now = time.time()
+    candidates = []
+    for path in SHM_DIR.glob(SEMAPHORE_GLOB):
+        with contextlib.suppress(OSError):
+            if now - path.stat().st_mtime > SEMAPHORE_MIN_AGE_S:
+                candidates.append(path)
+    if not candidates:  # the usual case: no /proc scan
+        return []
+    mapped = shm_files_mapped(int(p.name) for p in Path("/proc").glob("[0-9]*"))
+    return [path for path in candidates if path not in mapped]
 
 
 def _pid_alive(pid: int) -> bool:
