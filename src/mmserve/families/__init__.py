@@ -6,7 +6,7 @@ writing a ``ModalitySpec`` per modality) and list it in ``FAMILIES``. See docs/a
 
 from __future__ import annotations
 
-from mmserve.families.base import FamilySpec, FieldSpec, ModalitySpec
+from mmserve.families.base import FamilySpec, FieldSpec, ModalitySpec, TowerSpec
 from mmserve.families.qwen2_5_omni import QWEN2_5_OMNI
 from mmserve.families.qwen2_5_vl import QWEN2_5_VL
 from mmserve.families.qwen2_audio import QWEN2_AUDIO
@@ -41,6 +41,7 @@ __all__ = [
     "FamilySpec",
     "FieldSpec",
     "ModalitySpec",
+    "TowerSpec",
     "family_for_architecture",
     "get_family",
     "register_family",

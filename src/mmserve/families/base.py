@@ -177,6 +177,21 @@ class ModalitySpec(ABC):
 
 
 @dataclass(frozen=True)
+class TowerSpec:
+    """One encoder tower of a family's checkpoint, loadable on its own (``mmserve.encoder``): the
+    HF class, where its config sits in the checkpoint's config, and its weights' key prefix."""
+
+    modalities: tuple[str, ...]
+    """What it encodes: ``("image", "video")`` for a vision tower, ``("audio",)``."""
+    hf_class: str
+    """``"module:Class"`` of the transformers module."""
+    config_path: tuple[str, ...]
+    """Attributes from the checkpoint's config to the tower's, e.g. ``("thinker_config", "vision_config")``."""
+    weights_prefix: str
+    """Of the tower's keys in the checkpoint's safetensors, e.g. ``"thinker.visual."``."""
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """A model family served through the pass-through processor."""
 
@@ -189,6 +204,8 @@ class FamilySpec:
     vllm_model: str
     """``"module:Class"`` of the stock vLLM model the pass-through class derives from."""
     modalities: tuple[ModalitySpec, ...]
+    towers: tuple[TowerSpec, ...] = ()
+    """The encoder towers, for encoding apart from the engine (``mmserve.encoder``)."""
     audio_in_video: Any = None
     """How the family lays out a video with its audio track (``qwen.AudioInVideo``), if it takes one."""
     model_mixins: tuple[str, ...] = ()

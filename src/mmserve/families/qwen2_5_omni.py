@@ -1,7 +1,7 @@
 """Qwen2.5-Omni thinker: text, images, audio and video, a video with its audio track too; the
 project's default model."""
 
-from mmserve.families.base import FamilySpec
+from mmserve.families.base import FamilySpec, TowerSpec
 from mmserve.families.qwen import AudioInVideo, QwenVisionImage, QwenVisionVideo, WhisperAudio
 
 QWEN2_5_OMNI = FamilySpec(
@@ -13,6 +13,20 @@ QWEN2_5_OMNI = FamilySpec(
         QwenVisionImage("<|IMAGE|>"),
         WhisperAudio("<|AUDIO|>", fixed_frames=False),
         QwenVisionVideo("<|VIDEO|>", seconds_field="video_second_per_grid", audio_in_video=True),
+    ),
+    towers=(
+        TowerSpec(
+            ("image", "video"),
+            "transformers.models.qwen2_5_omni.modeling_qwen2_5_omni:Qwen2_5OmniVisionEncoder",
+            ("thinker_config", "vision_config"),
+            "thinker.visual.",
+        ),
+        TowerSpec(
+            ("audio",),
+            "transformers.models.qwen2_5_omni.modeling_qwen2_5_omni:Qwen2_5OmniAudioEncoder",
+            ("thinker_config", "audio_config"),
+            "thinker.audio_tower.",
+        ),
     ),
     audio_in_video=AudioInVideo(),
     model_mixins=("mmserve.vllm_seam:OmniAudioInVideo",),

@@ -1,7 +1,7 @@
 """Qwen2.5-VL: images and videos through the vision tower, ``<|image_pad|>`` and ``<|video_pad|>``
 placeholders."""
 
-from mmserve.families.base import FamilySpec
+from mmserve.families.base import FamilySpec, TowerSpec
 from mmserve.families.qwen import QwenVisionImage, QwenVisionVideo
 
 QWEN2_5_VL = FamilySpec(
@@ -10,4 +10,12 @@ QWEN2_5_VL = FamilySpec(
     passthrough_architecture="MMServePassthroughQwen2_5_VL",
     vllm_model="vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
     modalities=(QwenVisionImage("<|image_pad|>"), QwenVisionVideo("<|video_pad|>")),
+    towers=(
+        TowerSpec(
+            ("image", "video"),
+            "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
+            ("vision_config",),
+            "visual.",
+        ),
+    ),
 )
