@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from utils import ENGINE_ARGS, processed, run_concurrently
+from utils import ENGINE_ARGS, processed, raw_video, run_concurrently
 
 pytestmark = pytest.mark.engine
 
@@ -43,7 +43,7 @@ def test_videos_under_chunked_prefill_and_prefix_caching_match_hf(chunked_engine
     from mmserve.inputs import processed_prompt
     from mmserve.serving.preprocess import Preprocessor
     from mmserve_dev.hf_reference import chat_prompt
-    from mmserve_dev.samples import VIDEO_FPS, encode_video, sample_video
+    from mmserve_dev.samples import encode_video, sample_video
 
     from utils import hf_video_tokens
 
@@ -58,20 +58,10 @@ def test_videos_under_chunked_prefill_and_prefix_caching_match_hf(chunked_engine
         tensors = preprocessor.decode_wire(preprocessor("What happens?", videos=[encode_video(video)]))
         return processed_prompt(family, tensors["input_ids"], tensors)
 
-    def raw_video(video):
-        frames, height, width = video.shape[:3]
-        metadata = {
-            "fps": float(VIDEO_FPS),
-            "total_num_frames": frames,
-            "frames_indices": list(range(frames)),
-            "duration": frames / VIDEO_FPS,
-            "height": height,
-            "width": width,
-            "video_backend": "opencv",
-        }
-        return {"prompt": text, "multi_modal_data": {"video": [(video, metadata)]}}
+    def raw_prompt(video):
+        return {"prompt": text, "multi_modal_data": {"video": [raw_video(video)]}}
 
-    prompts = [processed_video(v) for v in videos] + [processed_video(videos[0]), raw_video(videos[1])]
+    prompts = [processed_video(v) for v in videos] + [processed_video(videos[0]), raw_prompt(videos[1])]
     assert all(len(p["prompt_token_ids"]) > 2 * CHUNK for p in prompts[:3])
     outputs = chunked_engine.submit(run_concurrently(chunked_engine, prompts, stagger_s=0.03)).result()
     assert outputs == [*expected, expected[0], expected[1]]
@@ -102,18 +92,9 @@ def test_a_video_with_its_audio_under_chunked_prefill_matches_hf(chunked_engine,
     audio_id, video_id = omni_reference.model.config.audio_token_index, omni_reference.model.config.video_token_index
     last_video = len(ids) - 1 - ids[::-1].index(video_id)
     assert ids.index(audio_id) < last_video  # two chunks: video, audio, video, audio
-    metadata = {
-        "fps": float(fps),
-        "total_num_frames": len(frames),
-        "frames_indices": list(range(len(frames))),
-        "duration": len(frames) / fps,
-        "height": frames.shape[1],
-        "width": frames.shape[2],
-        "video_backend": "opencv",
-    }
     raw = {
         "prompt": chat_prompt("qwen2_5_omni", omni_reference.processor, ["video", "text:What happens?"]),
-        "multi_modal_data": {"video": [(frames, metadata)], "audio": [(audio, AUDIO_SAMPLE_RATE)]},
+        "multi_modal_data": {"video": [raw_video(frames, fps)], "audio": [(audio, AUDIO_SAMPLE_RATE)]},
         "mm_processor_kwargs": {"use_audio_in_video": True},
     }
     outputs = chunked_engine.submit(

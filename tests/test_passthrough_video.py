@@ -17,6 +17,7 @@ from utils import (
     hf_on_frames,
     hf_video_tokens,
     processed,
+    raw_video,
     rejects,
 )
 
@@ -454,18 +455,9 @@ def test_omni_audio_in_video_parity_with_hf(omni_engine, omni_reference, omni_pr
     from mmserve_dev.hf_reference import chat_prompt
     from mmserve_dev.samples import AUDIO_SAMPLE_RATE
 
-    metadata = {
-        "fps": float(VIDEO_FPS),
-        "total_num_frames": len(frames),
-        "frames_indices": list(range(len(frames))),
-        "duration": len(frames) / VIDEO_FPS,
-        "height": frames.shape[1],
-        "width": frames.shape[2],
-        "video_backend": "opencv",
-    }
     raw = {
         "prompt": chat_prompt("qwen2_5_omni", omni_reference.processor, ["video", "text:What happens?"]),
-        "multi_modal_data": {"video": [(frames, metadata)], "audio": [(audio, AUDIO_SAMPLE_RATE)]},
+        "multi_modal_data": {"video": [raw_video(frames)], "audio": [(audio, AUDIO_SAMPLE_RATE)]},
         "mm_processor_kwargs": {"use_audio_in_video": True},
     }
     raw_run = omni_engine.generate_sync(raw, greedy(12))
@@ -523,17 +515,11 @@ def test_omni_image_video_and_audio_in_one_request_match_hf(omni_engine, omni_re
     )
     assert list(got.outputs[0].token_ids) == expected, "vLLM on preprocess's tensors != HF"
 
-    raw_metadata = {
-        **metadata,
-        "frames_indices": list(range(len(frames))),
-        "duration": len(frames) / VIDEO_FPS,
-        "video_backend": "opencv",
-    }
     raw = {
         "prompt": text,
         "multi_modal_data": {
             "image": [image],
-            "video": [(frames, raw_metadata)],
+            "video": [raw_video(frames)],
             "audio": [(audio, AUDIO_SAMPLE_RATE)],
         },
     }

@@ -714,3 +714,19 @@ def hf_video_with_audio_tokens(
             **inputs, use_audio_in_video=True, max_new_tokens=max_new_tokens, do_sample=False
         )
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def raw_video(frames: np.ndarray, fps: int = VIDEO_FPS) -> tuple[np.ndarray, dict[str, Any]]:
+    """A video as vLLM's raw path takes it (``multi_modal_data["video"]`` item): the frames and the
+    metadata its video loader would give them (every frame sampled)."""
+    count, height, width = frames.shape[:3]
+    metadata = {
+        "fps": float(fps),
+        "total_num_frames": count,
+        "frames_indices": list(range(count)),
+        "duration": count / fps,
+        "height": height,
+        "width": width,
+        "video_backend": "opencv",
+    }
+    return frames, metadata
