@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mmserve_dev.samples import AUDIO_SAMPLE_RATE
+from mmserve_dev.samples import AUDIO_SAMPLE_RATE, encode_video, sample_video
 
 import utils
 from utils import ROOT, http_generate, infer_tensors, sampling, send_tensors
@@ -85,6 +85,7 @@ def with_nan(samples: np.ndarray, count: int = 3, value: float = np.nan) -> np.n
 
 GOOD_IMAGE = png(112, 84)
 GOOD_AUDIO = wav(tone(1.0), subtype="PCM_16")
+SILENT_VIDEO = encode_video(sample_video(1, frames=2))
 
 
 # -- the matrix ------------------------------------------------------------------------------------
@@ -99,6 +100,7 @@ class Raw:
     rate: int | None = None
     sampling: str | dict[str, Any] | None = None
     videos: tuple[bytes | str, ...] = ()
+    use_audio_in_video: bool = False
 
     def tensors(self) -> dict[str, np.ndarray]:
         tensors: dict[str, np.ndarray] = {"stream": np.array([False])}
@@ -115,6 +117,8 @@ class Raw:
             tensors["audio_sample_rate"] = np.array([self.rate], dtype=np.int32)
         if self.videos:
             tensors["video"] = np.array([_bytes(v) for v in self.videos], dtype=object)
+        if self.use_audio_in_video:
+            tensors["use_audio_in_video"] = np.array([True])
         tensors["sampling_parameters"] = np.array([self._sampling().encode()], dtype=object)
         return tensors
 
@@ -132,6 +136,8 @@ class Raw:
             body["audio_sample_rate"] = self.rate
         if self.videos:
             body["video"] = [_url(v, "video/mp4") for v in self.videos]
+        if self.use_audio_in_video:
+            body["use_audio_in_video"] = True
         return body
 
     def _sampling(self) -> str:
@@ -194,6 +200,11 @@ RAW_CASES: list[BadRaw] = [
         "video not a video",
         Raw(videos=(b"\x00\x00\x00\x18ftypmp42",)),
         r"video\[0\]: cannot decode 12 bytes as a video",
+    ),
+    BadRaw(
+        "video without an audio track, use_audio_in_video",
+        Raw(videos=(SILENT_VIDEO,), use_audio_in_video=True),
+        r"video\[0\]\.audio: the video has no audio track \(use_audio_in_video\)",
     ),
     BadRaw("audio not audio", Raw(audios=(b"RIFF0000WAVE",)), r"audio\[0\]: cannot decode 12 bytes as audio"),
     BadRaw(
