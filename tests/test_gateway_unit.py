@@ -243,6 +243,31 @@ def test_video_url_parts_become_the_video_input():
     assert "remote video URLs are disabled" in error.message
 
 
+def test_use_audio_in_video_comes_as_vllm_serve_takes_it():
+    """vLLM's ``mm_processor_kwargs: {"use_audio_in_video": true}`` -> the ``use_audio_in_video``
+    input of mm_ensemble (with videos only); other processor kwargs, and the name at the top level,
+    are refused."""
+    from mmserve.gateway.convert import request_tensors
+
+    video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(b"vid")}}
+    request = body(user(video, {"type": "text", "text": "x"}), mm_processor_kwargs={"use_audio_in_video": True})
+    [tensors] = request_tensors(protocol.parse_request(request), convert_body(request))
+    assert tensors["use_audio_in_video"].tolist() == [True]
+    plain = body(user(video, {"type": "text", "text": "x"}), mm_processor_kwargs={})
+    [tensors] = request_tensors(protocol.parse_request(plain), convert_body(plain))
+    assert "use_audio_in_video" not in tensors
+    text_only = body(user("x"), mm_processor_kwargs={"use_audio_in_video": True})
+    [tensors] = request_tensors(protocol.parse_request(text_only), convert_body(text_only))
+    assert "use_audio_in_video" not in tensors  # no video: nothing to hear
+    error = rejected(body(user("x"), mm_processor_kwargs={"use_audio_in_video": True, "fps": 2}))
+    assert (error.code, error.param) == (
+        "unsupported",
+        "mm_processor_kwargs",
+    ) and "only use_audio_in_video" in error.message
+    error = rejected(body(user("x"), use_audio_in_video=True))
+    assert (error.code, error.param) == ("unknown_field", "use_audio_in_video")
+
+
 def test_tensors_use_the_messages_input_and_wire_names():
     chat = protocol.parse_request(
         body(
