@@ -40,6 +40,13 @@ def _readiness(server) -> tuple[int, ...]:
     return tuple(http_status(server, path) for path in READY_PATHS)
 
 
+def _stacks(server) -> str:
+    """The server's processes' stacks (written to its log by ``dump_stacks``) and the log's tail."""
+    signalled = server.server.dump_stacks()
+    time.sleep(2)  # the stubs write theirs from a signal handler
+    return f"stacks of {signalled} and the server's log:\n{server.server.log_tail(300)}"
+
+
 def _fault_and_heal(server, references, fault: signal.Signals, detect_within: float) -> dict[str, float]:
     from mmserve.client import ClientError
 
@@ -61,7 +68,10 @@ def _fault_and_heal(server, references, fault: signal.Signals, detect_within: fl
         with pytest.raises(ClientError) as refused:
             utils.client(server).generate("Hi", **sampling(2))
         assert refused.value.code == "UNAVAILABLE", refused.value
-        assert wait_for(lambda: _readiness(server) == (200, 200, 200), HEAL_S, 0.5), _readiness(server)
+        if not wait_for(lambda: _readiness(server) == (200, 200, 200), HEAL_S, 0.5):
+            pytest.fail(
+                f"not healed {HEAL_S:g} s after {fault.name}: readiness {_readiness(server)}; {_stacks(server)}"
+            )
         healed = time.monotonic() - started
     finally:
         if fault == signal.SIGSTOP:  # if the watcher missed it, let the process go on (or die)

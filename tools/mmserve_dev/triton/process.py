@@ -613,6 +613,17 @@ class TritonServer:
                 _LIVE_SERVERS.discard(self)
             return code
 
+    def dump_stacks(self, *, native: bool = False) -> list[int]:
+        """Have the server's processes write their stacks to its log (the project's stubs their
+        Python threads; with ``native``, tritonserver its native ones too): a diagnosis of something
+        that waits. Returns the pids signalled."""
+        if self._pgid is None:
+            return []
+        sent = dump_stacks(_group_members(self._pgid))
+        if native and self.process is not None and self.process.poll() is None:
+            self._log_native_stacks(self.process.pid)
+        return sent
+
     def _log_native_stacks(self, pid: int) -> None:
         """Append tritonserver's native stacks (``native_stacks``) to its log."""
         if self._log_handle is None:
