@@ -13,12 +13,12 @@ them into the prompt (``tests/test_encoder.py`` checks equality with the HF mode
 from __future__ import annotations
 
 import importlib
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mmserve.families import FamilySpec, TowerSpec, family_for_architecture
+from mmserve.families import TowerSpec
+from mmserve.inputs import family_of_checkpoint
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +33,7 @@ class Towers:
         from transformers.utils import logging as hf_logging
 
         self.path = Path(path)
-        self.family = _family_of(self.path)
+        self.family = family_of_checkpoint(self.path)
         if not self.family.towers:
             raise ValueError(f"{self.family.name}: no encoder towers declared (FamilySpec.towers)")
         self.device, self.dtype = torch.device(device), dtype or torch.float32
@@ -92,17 +92,6 @@ class Towers:
 
         tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
         return tensor.to(self.device)
-
-
-def _family_of(path: Path) -> FamilySpec:
-    config = json.loads((path / "config.json").read_text())
-    architectures = config.get("architectures") or []
-    for architecture in architectures:
-        try:
-            return family_for_architecture(architecture)
-        except KeyError:
-            continue
-    raise ValueError(f"{path}: no model family serves architectures {architectures}")
 
 
 def _load(tower: TowerSpec, config: Any, path: Path) -> torch.nn.Module:
