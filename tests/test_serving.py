@@ -190,8 +190,9 @@ def test_parse_request_groups_tensors_by_modality():
     assert set(request.prompt["multi_modal_data"]) == {"audio"}
     with pytest.raises(
         RequestError,
-        match=r"input_features: the qwen2_5_vl model takes no such input \(it takes \['image_grid_thw', "
-        r"'pixel_values', 'pixel_values_videos', 'second_per_grid_ts', 'video_grid_thw'\]\)",
+        match=r"input_features: the qwen2_5_vl model takes no such input \(it takes \['image_embeds', "
+        r"'image_grid_thw', 'pixel_values', 'pixel_values_videos', 'second_per_grid_ts', 'video_embeds', "
+        r"'video_grid_thw'\]\)",
     ):
         parse_request(get_family("qwen2_5_vl"), tensors.get)
     with pytest.raises(RequestError, match="input_ids: expected a non-empty INT64 tensor"):

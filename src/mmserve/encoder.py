@@ -12,12 +12,18 @@ them into the prompt (``tests/test_encoder.py`` checks equality with the HF mode
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import importlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from mmserve.families import TowerSpec
+from mmserve.families.base import numel
 from mmserve.inputs import family_of_checkpoint
 
 if TYPE_CHECKING:
@@ -48,6 +54,22 @@ class Towers:
             module = _load(tower, config, self.path).to(device=self.device, dtype=self.dtype).eval()
             for modality in tower.modalities:
                 self.modules[modality] = module
+        # the language model's width: every embedding's (its config sits beside the towers')
+        parent = config
+        for name in self.family.towers[0].config_path[:-1]:
+            parent = getattr(parent, name)
+        self.hidden_size = int(parent.get_text_config().hidden_size)
+
+    def merge_size(self, modality: str) -> int:
+        """Patches merged into one embedding, per side (the vision tower's ``spatial_merge_size``)."""
+        return int(self._tower(modality).config.spatial_merge_size)
+
+    def audio_output_lengths(self, valid_frames: Sequence[int]) -> list[int]:
+        """Embeddings of clips of ``valid_frames`` mel frames (the audio tower's own rule)."""
+        import torch
+
+        _, lengths = self._tower("audio")._get_feat_extract_output_lengths(torch.tensor(list(valid_frames)))
+        return [int(n) for n in lengths.tolist()]
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -114,6 +136,148 @@ def _load(tower: TowerSpec, config: Any, path: Path) -> torch.nn.Module:
         raise ValueError(f"{path}: no weights under {tower.weights_prefix!r}")
     module.load_state_dict(state, strict=True)
     return module
+
+
+MODALITIES = ("image", "video", "audio")
+
+
+@dataclass
+class CacheStats:
+    """Per modality: items found in the cache, items encoded; the bytes the cache holds."""
+
+    hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODALITIES, 0))
+    misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODALITIES, 0))
+    bytes: int = 0
+
+
+_VISION = {
+    # modality: its grid, its patches (the processor's field, then the wire fields standing for it)
+    "image": ("image_grid_thw", ("pixel_values", "pixel_values_uint8")),
+    "video": ("video_grid_thw", ("pixel_values_videos",)),
+}
+
+
+class Encoder:
+    """``preprocess``'s outputs -> the fields ``mm_llm`` takes in their place (the families'
+    ``encoded`` forms): ``image_embeds``, ``video_embeds``, ``audio_embeds`` and
+    ``audio_feature_lengths``, every one present (empty without items), the other outputs of
+    ``preprocess`` (grids, ``input_ids``) unchanged and not returned.
+
+    Item by item through an LRU cache of embeddings keyed by a hash of the item's own tensors (its
+    patches as sent, uint8 when they are, and grid; its valid mel frames) and bounded in bytes
+    (``cache_bytes``; 0: no cache): an image that comes back in a later request (a conversation's
+    earlier turns) is encoded once. The items missed are encoded together, in one call per modality.
+
+    Args:
+        towers: the checkpoint's ``Towers``.
+        decoders: the family's wire decoders (``FamilySpec.wire_decoders``), for ``pixel_values_uint8``.
+    """
+
+    def __init__(
+        self, towers: Towers, *, decoders: Mapping[str, Any] | None = None, cache_bytes: int = 256 << 20
+    ) -> None:
+        self.towers = towers
+        self.decoders = dict(decoders if decoders is not None else towers.family.wire_decoders(towers.path))
+        self.cache_bytes = cache_bytes
+        self._cache: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
+        self.stats = CacheStats()
+        self.hidden_size = towers.hidden_size
+
+    def __call__(self, tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for modality in ("image", "video"):
+            if modality in self.towers.modules:
+                out[f"{modality}_embeds"] = self._vision(modality, tensors)
+        if "audio" in self.towers.modules:
+            out["audio_embeds"], out["audio_feature_lengths"] = self._audio(tensors)
+        return out
+
+    # -- vision: rows of patches per item, by the grid -------------------------------------------
+    def _vision(self, modality: str, tensors: Mapping[str, Any]) -> np.ndarray:
+        grid_name, pixel_names = _VISION[modality]
+        grid = np.asarray(tensors.get(grid_name, np.zeros((0, 3), np.int64))).reshape(-1, 3)
+        pixel_name = next((n for n in pixel_names if numel(tensors.get(n))), None)
+        if pixel_name is None or not len(grid):
+            return np.zeros((0, self.hidden_size), np.float32)
+        pixels = np.asarray(tensors[pixel_name])
+        bounds = np.concatenate([[0], np.cumsum(grid.prod(-1))])
+        items = [(pixels[bounds[i] : bounds[i + 1]], grid[i : i + 1]) for i in range(len(grid))]
+
+        def encode(batch: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+            fields = {
+                pixel_name: np.concatenate([p for p, _ in batch]),
+                grid_name: np.concatenate([g for _, g in batch]),
+            }
+            if pixel_name != pixel_names[0]:  # a wire field (uint8 patches): the processor's values
+                fields = self.decoders[modality](fields)
+            embeds = getattr(self.towers, modality)(fields[pixel_names[0]], fields[grid_name])
+            merge = self.towers.merge_size(modality)
+            return _split(embeds, [int(g.prod()) // merge**2 for _, g in batch])
+
+        return self._through_cache(modality, items, encode)
+
+    # -- audio: one clip per row of the batch, its valid frames ----------------------------------
+    def _audio(self, tensors: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        mask = tensors.get("feature_attention_mask")
+        if not numel(mask):
+            return np.zeros((0, self.hidden_size), np.float32), np.zeros((0,), np.int64)
+        features, mask = np.asarray(tensors["input_features"]), np.asarray(mask)
+        lengths = mask.sum(-1).astype(np.int64)
+        items = [(features[i, :, : lengths[i]], lengths[i : i + 1]) for i in range(len(lengths))]
+
+        def encode(batch: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+            frames = max(f.shape[-1] for f, _ in batch)
+            padded = np.zeros((len(batch), batch[0][0].shape[0], frames), np.float32)
+            valid = np.zeros((len(batch), frames), np.int32)
+            for row, (f, n) in enumerate(batch):
+                padded[row, :, : f.shape[-1]] = f
+                valid[row, : int(n[0])] = 1
+            embeds = self.towers.audio(padded, valid)
+            return _split(embeds, self.towers.audio_output_lengths([int(n[0]) for _, n in batch]))
+
+        return self._through_cache("audio", items, encode), lengths
+
+    # -- the cache -----------------------------------------------------------------------------------
+    def _through_cache(self, modality: str, items: list[tuple[np.ndarray, np.ndarray]], encode: Any) -> np.ndarray:
+        keys = [_key(modality, *item) for item in items]
+        found: dict[int, np.ndarray] = {}
+        for index, key in enumerate(keys):
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                found[index] = hit
+        missed = [index for index in range(len(items)) if index not in found]
+        self.stats.hits[modality] += len(found)
+        self.stats.misses[modality] += len(missed)
+        if missed:
+            for index, embeds in zip(missed, encode([items[i] for i in missed]), strict=True):
+                found[index] = embeds
+                self._store(keys[index], embeds)
+        return np.concatenate([found[i] for i in range(len(items))])
+
+    def _store(self, key: bytes, embeds: np.ndarray) -> None:
+        if embeds.nbytes > self.cache_bytes:
+            return
+        if key not in self._cache:
+            self._cache[key] = embeds
+            self.stats.bytes += embeds.nbytes
+        while self.stats.bytes > self.cache_bytes:
+            _, old = self._cache.popitem(last=False)
+            self.stats.bytes -= old.nbytes
+
+
+def _key(modality: str, *arrays: np.ndarray) -> bytes:
+    digest = hashlib.blake2b(modality.encode(), digest_size=16)
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(array.data)
+    return digest.digest()
+
+
+def _split(embeds: torch.Tensor, sizes: list[int]) -> list[np.ndarray]:
+    rows = embeds.float().cpu().numpy()
+    return np.split(rows, np.cumsum(sizes)[:-1])
 
 
 def encode(towers: Towers, tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:

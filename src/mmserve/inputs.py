@@ -84,13 +84,18 @@ def processed_multi_modal_data(family: FamilySpec, tensors: Mapping[str, Any]) -
     fields (``preprocess``'s ``pixel_values_uint8``) must be decoded first.
     """
     data: dict[str, dict[str, Any]] = {}
-    for spec in family.modalities:
-        wire = sorted(name for name in spec.wire_field_names if numel(tensors.get(name, ())) > 0)
-        if wire:
-            raise ValueError(f"{', '.join(wire)}: decode the wire fields first (Preprocessor.decode_wire)")
-        fields = {name: tensors[name] for name in spec.field_names if name in tensors}
-        if fields and any(numel(value) > 0 for value in fields.values()):
-            data[spec.modality] = fields
+    for features in family.modalities:
+        modality = features.modality
+        wire = {name for spec in family.specs if spec.modality == modality for name in spec.wire_field_names}
+        if sent := sorted(name for name in wire if numel(tensors.get(name, ())) > 0):
+            raise ValueError(f"{', '.join(sent)}: decode the wire fields first (Preprocessor.decode_wire)")
+        given = [name for name in family.field_names(modality) if numel(tensors.get(name, ())) > 0]
+        spec = family.spec_for(modality, given)
+        assert spec is not None
+        # the form's own fields, sent empty or not, and whatever else was sent (refused by name)
+        fields = {name: tensors[name] for name in (*spec.field_names, *given) if name in tensors}
+        if given:
+            data[modality] = fields
     return data
 
 

@@ -199,6 +199,28 @@ _SIGNATURES = {
         "Qwen2_5OmniThinkerForConditionalGeneration",
         "_compute_audio_token_count",
     ): ("self", "audio_feature_length"),
+    # Qwen2.5-Omni fed the encoders' outputs (OmniEmbeddings)
+    ("vllm.multimodal.processing", "BaseMultiModalProcessor", "_get_mm_fields_config"): (
+        "self",
+        "hf_inputs",
+        "hf_processor_mm_kwargs",
+    ),
+    **{
+        ("vllm.model_executor.models.qwen2_5_omni_thinker", "Qwen2_5OmniConditionalGenerationMixin", method): (
+            "self",
+            argument,
+        )
+        for method, argument in (
+            ("_process_image_input", "image_input"),
+            ("_process_video_input", "video_input"),
+            ("_process_audio_input", "audio_input"),
+        )
+    },
+    (
+        "vllm.model_executor.models.qwen2_5_omni_thinker",
+        "Qwen2_5OmniThinkerForConditionalGeneration",
+        "_parse_and_validate_multimodal_inputs",
+    ): ("self", "kwargs"),
     ("vllm.v1.metrics.loggers", "StatLoggerManager", "__init__"): (
         "self",
         "vllm_config",
@@ -444,6 +466,17 @@ class MultiModalProcessorHooks:
         modality's placeholder token)."""
         raise NotImplementedError
 
+    def own_fields_config(self, hf_inputs: Mapping[str, Any]) -> Mapping[str, MultiModalFieldConfig]:
+        """``MultiModalFieldConfig`` of the project's fields that the stock processor has none for
+        (Qwen2.5-Omni's ``audio_embeds``)."""
+        return {}
+
+    def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):  # vLLM's signature
+        config = dict(super()._get_mm_fields_config(hf_inputs, hf_processor_mm_kwargs))  # type: ignore[misc]
+        for name, field in self.own_fields_config(hf_inputs).items():
+            config.setdefault(name, field)
+        return config
+
     def apply(self, inputs, timing_ctx):  # vLLM's signature (ProcessorInputs, TimingContext)
         with _as_engine_input_errors():
             self.check_request(inputs.mm_data_items)
@@ -569,6 +602,46 @@ class OmniAudioInVideo:
         return torch.from_numpy(merged), int(merged.max()) + 1 - len(input_tokens)
 
 
+class OmniEmbeddings:
+    """Qwen2.5-Omni's thinker fed the encoders' outputs (encoder offload: ``qwen.VisionEmbeddings``,
+    ``qwen.AudioEmbeddings``). vLLM 0.32 takes ``image_embeds`` and ``video_embeds`` but hands them
+    on as one tensor for all items of a batch, where the engine wants one per item (its Qwen2.5-VL
+    splits them by grid, as here), and has no ``audio_embeds`` (the audio tower always runs). Ends
+    with the vLLM release that splits them and takes audio embeddings (docs/upstream-vllm.md)."""
+
+    def _parse_and_validate_multimodal_inputs(self, **kwargs: object) -> dict[str, Any]:
+        inputs = super()._parse_and_validate_multimodal_inputs(**kwargs)  # type: ignore[misc]
+        if kwargs.get("audio_embeds") is not None:  # one modality per batch (vLLM groups them so)
+            inputs["audio"] = {
+                "type": "audio_embeds",
+                "audio_embeds": kwargs["audio_embeds"],
+                "audio_feature_lengths": kwargs["audio_feature_lengths"],
+            }
+        return inputs
+
+    def _process_image_input(self, image_input: Any) -> Any:
+        if image_input["type"] != "image_embeds":
+            return super()._process_image_input(image_input)  # type: ignore[misc]
+        return self._split_vision(image_input["image_embeds"], image_input["image_grid_thw"])
+
+    def _process_video_input(self, video_input: Any) -> Any:
+        if video_input["type"] != "video_embeds":
+            return super()._process_video_input(video_input)  # type: ignore[misc]
+        return self._split_vision(video_input["video_embeds"], video_input["video_grid_thw"])
+
+    def _process_audio_input(self, audio_input: Any) -> Any:
+        if audio_input["type"] != "audio_embeds":
+            return super()._process_audio_input(audio_input)  # type: ignore[misc]
+        lengths = audio_input["audio_feature_lengths"].reshape(-1).tolist()
+        sizes = [self._compute_audio_token_count(int(n)) for n in lengths]  # type: ignore[attr-defined]
+        return audio_input["audio_embeds"].type(self.audio_tower.dtype).split(sizes)  # type: ignore[attr-defined]
+
+    def _split_vision(self, embeds: Any, grid_thw: Any) -> Any:
+        merge = self.visual.spatial_merge_size  # type: ignore[attr-defined]
+        sizes = (grid_thw.reshape(-1, 3).prod(-1) // merge // merge).tolist()
+        return embeds.type(self.visual.dtype).split(sizes)  # type: ignore[attr-defined]
+
+
 def omni_audio_in_video_tokens(
     hf_config: PretrainedConfig, audio_tokens: int, video_grid_thw: Sequence[int], second_per_grid_t: float
 ) -> list[int]:
@@ -624,6 +697,7 @@ def derive_model_class(
 __all__ = [
     "VLLM_VERSION",
     "OmniAudioInVideo",
+    "OmniEmbeddings",
     "Placement",
     "omni_audio_in_video_tokens",
     "AsyncLLM",

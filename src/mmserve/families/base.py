@@ -9,7 +9,7 @@ turns one item's tensors into its placeholder count. Nothing else in the project
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -204,6 +204,10 @@ class FamilySpec:
     vllm_model: str
     """``"module:Class"`` of the stock vLLM model the pass-through class derives from."""
     modalities: tuple[ModalitySpec, ...]
+    encoded: tuple[ModalitySpec, ...] = ()
+    """Modalities in the form their encoder outputs (``qwen.VisionEmbeddings``,
+    ``qwen.AudioEmbeddings``): what ``mm_llm`` takes in place of the features when the encoder ran
+    apart (``mmserve.encoder``)."""
     towers: tuple[TowerSpec, ...] = ()
     """The encoder towers, for encoding apart from the engine (``mmserve.encoder``)."""
     audio_in_video: Any = None
@@ -216,6 +220,24 @@ class FamilySpec:
 
     def modality(self, name: str) -> ModalitySpec | None:
         return next((m for m in self.modalities if m.modality == name), None)
+
+    @property
+    def specs(self) -> tuple[ModalitySpec, ...]:
+        """Every form of every modality: the features (``modalities``), then ``encoded``."""
+        return (*self.modalities, *self.encoded)
+
+    def spec_for(self, modality: str, fields: Iterable[str]) -> ModalitySpec | None:
+        """The form of ``modality`` that a request's ``fields`` (names) are in: the encoded one
+        when its first field (the embeddings) is among them, else the features'."""
+        names = set(fields)
+        encoded = next((s for s in self.encoded if s.modality == modality), None)
+        if encoded is not None and encoded.fields[0].name in names:
+            return encoded
+        return self.modality(modality)
+
+    def field_names(self, modality: str) -> frozenset[str]:
+        """The fields of every form of ``modality``."""
+        return frozenset().union(*(s.field_names for s in self.specs if s.modality == modality))
 
     def wire_decoders(self, model: str | Path) -> dict[str, WireDecoder]:
         """Per modality that has wire fields, its decoder for the checkpoint at ``model``."""

@@ -215,10 +215,15 @@ class QwenVisionImage(ModalitySpec):
         return decode
 
     def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
-        pixel_values, grid = data["pixel_values"], data["image_grid_thw"]
-        patch_dim, merge = _vision(hf_config)
+        self.validate_layout(data, hf_config)
+        patch_dim, _ = _vision(hf_config)
+        _check_patches("image", "pixel_values", data["pixel_values"], data["image_grid_thw"], patch_dim)
+
+    def validate_layout(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
+        """Every field but the patches (what ``VisionEmbeddings`` shares)."""
+        grid = data["image_grid_thw"]
+        _, merge = _vision(hf_config)
         _check_grid("image", grid, merge)
-        _check_patches("image", "pixel_values", pixel_values, grid, patch_dim)
         for index, (t, h, w) in enumerate(grid.tolist()):
             if t != 1:  # vLLM's M-RoPE asserts it for images, in the engine
                 raise ProcessedInputError(
@@ -326,10 +331,15 @@ class QwenVisionVideo(ModalitySpec):
         return decode
 
     def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
-        pixels, grid, seconds = data["pixel_values_videos"], data["video_grid_thw"], data["second_per_grid_ts"]
-        patch_dim, merge = _vision(hf_config)
+        self.validate_layout(data, hf_config)
+        patch_dim, _ = _vision(hf_config)
+        _check_patches("video", "pixel_values_videos", data["pixel_values_videos"], data["video_grid_thw"], patch_dim)
+
+    def validate_layout(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
+        """Every field but the patches (what ``VisionEmbeddings`` shares)."""
+        grid, seconds = data["video_grid_thw"], data["second_per_grid_ts"]
+        _, merge = _vision(hf_config)
         _check_grid("video", grid, merge)
-        _check_patches("video", "pixel_values_videos", pixels, grid, patch_dim)
         if tuple(seconds.shape) != (grid.shape[0],):
             raise ProcessedInputError(
                 "video",
@@ -623,3 +633,144 @@ def _find_audio_config(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
             if found is not None:
                 return found
     return None
+
+
+# -- the encoders' outputs in place of their inputs (encoder offload: mmserve.encoder) ------------
+def _hidden_size(hf_config: PretrainedConfig) -> int:
+    """The language model's hidden size: the width of every embedding merged into the prompt."""
+    return int(hf_config.get_text_config().hidden_size)
+
+
+def _check_embeddings(
+    modality: str, field: str, embeds: Any, rows: int, hf_config: PretrainedConfig, rule: str
+) -> None:
+    """``embeds``: ``rows`` rows (one per placeholder token, by ``rule``) of the LLM's hidden size."""
+    hidden = _hidden_size(hf_config)
+    if embeds.shape[1] != hidden:
+        raise ProcessedInputError(
+            modality,
+            field=field,
+            expected=f"{hidden} values per row (the language model's hidden size)",
+            found=f"shape {tuple(embeds.shape)}",
+        )
+    if embeds.shape[0] != rows:
+        raise ProcessedInputError(
+            modality,
+            field=field,
+            expected=f"{rows} rows (one per placeholder token: {rule})",
+            found=f"{embeds.shape[0]} rows",
+        )
+
+
+class VisionEmbeddings(ModalitySpec):
+    """Images or videos as the vision tower's output (``{modality}_embeds``: one row per placeholder
+    token, the merger's output) with the same grid fields as ``features``, the patches' spec: what
+    ``mm_llm`` takes when the encoder ran apart (``model_repository_encoder/encode``)."""
+
+    def __init__(self, features: QwenVisionImage | QwenVisionVideo) -> None:
+        self.features = features
+        self.modality = features.modality
+        self.placeholder_token = features.placeholder_token
+        self.embeds = f"{self.modality}_embeds"
+        self.patches = features.fields[0].name
+        self.fields = (
+            FieldSpec(
+                self.embeds,
+                "float32",
+                ("tokens", "hidden"),
+                f"the vision tower's output for all {self.modality}s (encoder offload), in place of "
+                f"{self.patches}: one row per placeholder token, the language model's hidden size",
+            ),
+            *features.fields[1:],
+        )
+        self.wire_fields = features.wire_fields if self.modality == "video" else ()
+
+    def wire_decoder(self, model: str | Path) -> WireDecoder | None:
+        return self.features.wire_decoder(model) if self.wire_fields else None
+
+    def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
+        self.features.validate_layout(data, hf_config)
+        grid = data[f"{self.modality}_grid_thw"]
+        _, merge = _vision(hf_config)
+        rows = int(grid.prod(-1).sum()) // merge**2
+        rule = f"sum of t*h*w/{merge * merge} over {self.modality}_grid_thw"
+        _check_embeddings(self.modality, self.embeds, data[self.embeds], rows, hf_config, rule)
+
+    def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
+        from mmserve.vllm_seam import MultiModalFieldConfig
+
+        _, merge = _vision(hf_config)
+        sizes = data[f"{self.modality}_grid_thw"].prod(-1) // merge**2
+        config = dict(self.features.fields_config(data, hf_config))
+        del config[self.patches]
+        return {self.embeds: MultiModalFieldConfig.flat_from_sizes(self.modality, sizes), **config}
+
+    def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
+        return self.features.expected_tokens(item, hf_config)
+
+    def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
+        return self.features.describe_item(item)
+
+
+class AudioEmbeddings(ModalitySpec):
+    """Clips as the audio tower's output (``audio_embeds``: one row per placeholder token) with each
+    clip's valid mel frames (``audio_feature_lengths``, which the LLM's positions need): what
+    ``mm_llm`` takes when the encoder ran apart."""
+
+    modality = "audio"
+
+    def __init__(self, features: WhisperAudio) -> None:
+        self.features = features
+        self.placeholder_token = features.placeholder_token
+        self.fields = (
+            FieldSpec(
+                "audio_embeds",
+                "float32",
+                ("tokens", "hidden"),
+                "the audio tower's output for all clips (encoder offload), in place of "
+                "input_features: one row per placeholder token, the language model's hidden size",
+            ),
+            FieldSpec(
+                "audio_feature_lengths",
+                "int64",
+                ("clips",),
+                "valid mel frames of each clip (feature_attention_mask.sum(-1)), in prompt order",
+            ),
+        )
+
+    def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
+        lengths = data["audio_feature_lengths"]
+        if lengths.shape[0] == 0:
+            raise ProcessedInputError(
+                "audio", field="audio_feature_lengths", expected="at least one clip", found="0 clips"
+            )
+        max_frames = 2 * hf_config.audio_config.max_source_positions
+        for index, length in enumerate(lengths.tolist()):
+            if whisper_output_length(length) <= 0 or length > max_frames:
+                raise ProcessedInputError(
+                    "audio",
+                    item=index,
+                    field="audio_feature_lengths",
+                    expected=f"between 2 and {max_frames} valid frames",
+                    found=f"{length}",
+                )
+        rows = sum(whisper_output_length(length) for length in lengths.tolist())
+        rule = "((L - 1) // 2 + 1 - 2) // 2 + 1 per clip of L valid frames"
+        _check_embeddings("audio", "audio_embeds", data["audio_embeds"], rows, hf_config, rule)
+
+    def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
+        import torch
+
+        from mmserve.vllm_seam import MultiModalFieldConfig
+
+        sizes = torch.tensor([whisper_output_length(n) for n in data["audio_feature_lengths"].tolist()])
+        return {
+            "audio_embeds": MultiModalFieldConfig.flat_from_sizes("audio", sizes),
+            "audio_feature_lengths": MultiModalFieldConfig.batched("audio", keep_on_cpu=True),
+        }
+
+    def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
+        return whisper_output_length(int(item["audio_feature_lengths"]))
+
+    def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
+        return f"{int(item['audio_feature_lengths'])} valid mel frames"

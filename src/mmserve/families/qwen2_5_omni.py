@@ -2,18 +2,26 @@
 project's default model."""
 
 from mmserve.families.base import FamilySpec, TowerSpec
-from mmserve.families.qwen import AudioInVideo, QwenVisionImage, QwenVisionVideo, WhisperAudio
+from mmserve.families.qwen import (
+    AudioEmbeddings,
+    AudioInVideo,
+    QwenVisionImage,
+    QwenVisionVideo,
+    VisionEmbeddings,
+    WhisperAudio,
+)
+
+_IMAGE = QwenVisionImage("<|IMAGE|>")
+_AUDIO = WhisperAudio("<|AUDIO|>", fixed_frames=False)
+_VIDEO = QwenVisionVideo("<|VIDEO|>", seconds_field="video_second_per_grid", audio_in_video=True)
 
 QWEN2_5_OMNI = FamilySpec(
     name="qwen2_5_omni",
     stock_architectures=("Qwen2_5OmniModel", "Qwen2_5OmniForConditionalGeneration"),
     passthrough_architecture="MMServePassthroughQwen2_5OmniThinker",
     vllm_model=("vllm.model_executor.models.qwen2_5_omni_thinker:Qwen2_5OmniThinkerForConditionalGeneration"),
-    modalities=(
-        QwenVisionImage("<|IMAGE|>"),
-        WhisperAudio("<|AUDIO|>", fixed_frames=False),
-        QwenVisionVideo("<|VIDEO|>", seconds_field="video_second_per_grid", audio_in_video=True),
-    ),
+    modalities=(_IMAGE, _AUDIO, _VIDEO),
+    encoded=(VisionEmbeddings(_IMAGE), AudioEmbeddings(_AUDIO), VisionEmbeddings(_VIDEO)),
     towers=(
         TowerSpec(
             ("image", "video"),
@@ -29,5 +37,5 @@ QWEN2_5_OMNI = FamilySpec(
         ),
     ),
     audio_in_video=AudioInVideo(),
-    model_mixins=("mmserve.vllm_seam:OmniAudioInVideo",),
+    model_mixins=("mmserve.vllm_seam:OmniAudioInVideo", "mmserve.vllm_seam:OmniEmbeddings"),
 )

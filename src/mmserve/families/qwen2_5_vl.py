@@ -2,14 +2,18 @@
 placeholders."""
 
 from mmserve.families.base import FamilySpec, TowerSpec
-from mmserve.families.qwen import QwenVisionImage, QwenVisionVideo
+from mmserve.families.qwen import QwenVisionImage, QwenVisionVideo, VisionEmbeddings
+
+_IMAGE = QwenVisionImage("<|image_pad|>")
+_VIDEO = QwenVisionVideo("<|video_pad|>")
 
 QWEN2_5_VL = FamilySpec(
     name="qwen2_5_vl",
     stock_architectures=("Qwen2_5_VLForConditionalGeneration",),
     passthrough_architecture="MMServePassthroughQwen2_5_VL",
     vllm_model="vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
-    modalities=(QwenVisionImage("<|image_pad|>"), QwenVisionVideo("<|video_pad|>")),
+    modalities=(_IMAGE, _VIDEO),
+    encoded=(VisionEmbeddings(_IMAGE), VisionEmbeddings(_VIDEO)),
     towers=(
         TowerSpec(
             ("image", "video"),

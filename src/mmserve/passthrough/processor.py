@@ -45,15 +45,14 @@ class PassthroughInfoMixin(vllm_seam.ProcessingInfoHooks):
     family: ClassVar[FamilySpec]
 
     def select_own(self, mm_data: Mapping[str, Any]) -> dict[str, Any]:
-        specs = {m.modality: m for m in self.family.modalities}
         return {
             modality: data
             for modality, data in mm_data.items()
-            if modality in specs and _is_processed(data, specs[modality].field_names)
+            if _is_processed(data, self.family.field_names(modality))
         }
 
     def parse_own(self, modality: str, data: Any, hf_config: PretrainedConfig) -> ProcessedItems:
-        spec = self.family.modality(modality)
+        spec = self.family.spec_for(modality, data)
         assert spec is not None
         return ProcessedItems(data, spec, hf_config)
 
@@ -65,6 +64,14 @@ class PassthroughProcessorMixin(vllm_seam.MultiModalProcessorHooks):
 
     def owns(self, items: object) -> bool:
         return isinstance(items, ProcessedItems)
+
+    def own_fields_config(self, hf_inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+        hf_config = self.info.get_hf_config()  # type: ignore[attr-defined]
+        config: dict[str, Any] = {}
+        for spec in self.family.encoded:
+            if spec.fields[0].name in hf_inputs:
+                config.update(spec.fields_config(hf_inputs, hf_config))
+        return config
 
     def check_request(self, mm_items: Mapping[str, Any]) -> None:
         kinds = {isinstance(items, ProcessedItems) for items in mm_items.values()}

@@ -25,18 +25,25 @@ INPUT_IDS = FieldSpec(
 )
 
 
-def _feature_tensors() -> tuple[FieldSpec, ...]:
+def _tensors(*, encoded: bool) -> tuple[FieldSpec, ...]:
     fields: dict[str, FieldSpec] = {}
     for family in FAMILIES.values():
-        for modality in family.modalities:
+        for modality in family.specs:
             for spec in (*modality.fields, *modality.wire_fields):
                 known = fields.setdefault(spec.name, spec)
                 if (known.dtype, known.triton_dims) != (spec.dtype, spec.triton_dims):
                     raise ValueError(f"{spec.name}: families disagree on its dtype or dims")
-    return tuple(fields.values())
+    features = {
+        name for family in FAMILIES.values() for m in family.modalities for name in m.field_names | m.wire_field_names
+    }
+    return tuple(spec for name, spec in fields.items() if (name in features) != encoded)
 
 
-FEATURE_TENSORS: tuple[FieldSpec, ...] = _feature_tensors()
+FEATURE_TENSORS: tuple[FieldSpec, ...] = _tensors(encoded=False)
+"""What ``preprocess`` outputs: the HF processor's tensors (and the families' wire fields)."""
+ENCODED_TENSORS: tuple[FieldSpec, ...] = _tensors(encoded=True)
+"""The encoders' outputs that ``mm_llm`` takes in place of some of ``FEATURE_TENSORS`` (the
+families' ``encoded`` forms: ``image_embeds``, ...), which the ``encode`` model outputs."""
 
 
 def empty_feature(spec: FieldSpec) -> np.ndarray:
@@ -44,5 +51,13 @@ def empty_feature(spec: FieldSpec) -> np.ndarray:
     return np.zeros(tuple(max(d, 0) for d in spec.triton_dims), dtype=spec.dtype)
 
 
-MM_LLM_INPUTS: tuple[FieldSpec, ...] = (INPUT_IDS, *FEATURE_TENSORS, TEXT_INPUT, *GENERATION_INPUTS, CANCEL, DRAIN)
+MM_LLM_INPUTS: tuple[FieldSpec, ...] = (
+    INPUT_IDS,
+    *FEATURE_TENSORS,
+    *ENCODED_TENSORS,
+    TEXT_INPUT,
+    *GENERATION_INPUTS,
+    CANCEL,
+    DRAIN,
+)
 """What ``mm_llm`` takes, in its config.pbtxt's order: only ``input_ids`` is required."""

@@ -31,7 +31,7 @@ from mmserve.errors import CancelledError, InputError, ServiceError, Unavailable
 from mmserve.families import FamilySpec
 from mmserve.families.base import WireDecoder
 from mmserve.inputs import family_of_checkpoint, processed_prompt, read_engine_config
-from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
+from mmserve.serving.contract import ENCODED_TENSORS, FEATURE_TENSORS, INPUT_IDS
 from mmserve.serving.outbox import Outbox
 from mmserve.serving.sampling import STRUCTURED_KINDS, ToolCalling, parse_generation_parameters
 
@@ -144,10 +144,10 @@ def parse_request(
         )
 
     wire_decoders = wire_decoders or {}
-    accepted = {name for spec in family.modalities for name in spec.field_names}
-    accepted |= {name for spec in family.modalities if spec.modality in wire_decoders for name in spec.wire_field_names}
+    accepted = {name for spec in family.specs for name in spec.field_names}
+    accepted |= {name for spec in family.specs if spec.modality in wire_decoders for name in spec.wire_field_names}
     features: dict[str, np.ndarray] = {}
-    for spec in FEATURE_TENSORS:
+    for spec in (*FEATURE_TENSORS, *ENCODED_TENSORS):
         value = get(spec.name)
         if value is None or value.size == 0:
             continue
