@@ -35,6 +35,14 @@ def omni_reference(tiny_models):
 
 
 @pytest.fixture(scope="session")
+def omni_encoder(tiny_models):
+    """The Omni checkpoint's towers alone (``mmserve.encoder``), no cache: every call encodes."""
+    from mmserve.encoder import Encoder, Towers
+
+    return Encoder(Towers(tiny_models["qwen2_5_omni"]), cache_bytes=0)
+
+
+@pytest.fixture(scope="session")
 def omni_workload(omni_reference) -> list[tuple[Request, list[int]]]:
     """18 requests (3 rounds of utils.OMNI_CASES, different media per round) with HF greedy tokens."""
     workload = []

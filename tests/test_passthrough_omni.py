@@ -37,11 +37,72 @@ def tokens(engine, prompt) -> list[int]:
 
 
 @pytest.mark.parametrize("case", list(OMNI_CASES))
-def test_parity_hf_raw_processed(engine, omni_workload, case):
+def test_parity_hf_raw_processed(engine, omni_workload, omni_encoder, case):
     request, reference = next((r, t) for r, t in omni_workload if r.name == f"{case}#0")
     assert len(reference) > 0
     assert tokens(engine, request.raw_prompt()) == reference, "vLLM on raw inputs != HF"
     assert tokens(engine, processed("qwen2_5_omni", request)) == reference, "vLLM on processed inputs != HF"
+    assert tokens(engine, encoded(omni_encoder, request)) == reference, "vLLM on the encoders' outputs != HF"
+
+
+def encoded(encoder, request) -> dict:
+    """The request as ``mm_ensemble_encoded`` hands it to ``mm_llm``: the towers' outputs in place
+    of the features (``mmserve.encoder.Encoder``)."""
+    from mmserve.families import get_family
+    from mmserve.inputs import processed_prompt
+
+    tensors = encoder.encoded(dict(request.hf_inputs))
+    return processed_prompt(get_family("qwen2_5_omni"), tensors["input_ids"], tensors)
+
+
+def test_features_and_embeddings_batch_together(engine, omni_workload, omni_encoder):
+    """The workload with every other request as the encoders' outputs, the rest as features, in
+    flight together (vLLM batches the two forms of a modality apart): each = its HF reference."""
+    prompts = [
+        encoded(omni_encoder, r) if i % 2 else processed("qwen2_5_omni", r) for i, (r, _) in enumerate(omni_workload)
+    ]
+    outputs = engine.submit(run_concurrently(engine, prompts, stagger_s=0.02)).result()
+    assert [r.name for (r, ref), out in zip(omni_workload, outputs, strict=True) if out != ref] == []
+
+
+def test_bad_embeddings_are_named(engine, omni_workload, omni_encoder):
+    """The encoded form is validated like the features, before the engine; the engine serves on."""
+    request, reference = next((r, t) for r, t in omni_workload if r.name == "image_audio#0")
+    good = encoded(omni_encoder, request)
+    image, audio = good["multi_modal_data"]["image"], good["multi_modal_data"]["audio"]
+    rows, hidden = image["image_embeds"].shape
+    nan = image["image_embeds"].copy()
+    nan[0, 0] = float("nan")
+    cases = {
+        "rows": (
+            _with(good, "image", image_embeds=image["image_embeds"][:-1]),
+            rf"image, image_embeds: expected {rows} rows \(one per placeholder token: .*\), found {rows - 1} rows",
+        ),
+        "width": (
+            _with(good, "image", image_embeds=image["image_embeds"][:, :-1]),
+            rf"image, image_embeds: expected {hidden} values per row \(the language model's hidden size\)",
+        ),
+        "nan": (
+            _with(good, "image", image_embeds=nan),
+            r"image, image_embeds: expected finite values, found 1 NaN/Inf",
+        ),
+        "both forms": (
+            _with(good, "image", pixel_values=request.hf_inputs["pixel_values"]),
+            r"image: expected only the fields .* unexpected field\(s\) \['pixel_values'\]",
+        ),
+        "lengths": (
+            _with(good, "audio", audio_feature_lengths=None),
+            r"audio: expected the fields .* \(missing \['audio_feature_lengths'\]\)",
+        ),
+        "audio rows": (
+            _with(good, "audio", audio_feature_lengths=audio["audio_feature_lengths"] + 8),
+            r"audio, audio_embeds: expected \d+ rows .* found \d+ rows",
+        ),
+    }
+    for prompt, message in cases.values():
+        with pytest.raises(Exception, match=message):
+            tokens(engine, prompt)
+    assert tokens(engine, good) == reference
 
 
 def test_prompt_is_not_expanded_again(engine, omni_workload):

@@ -209,11 +209,13 @@ def test_video_parity_with_hf(engine, reference):
 
 
 @pytest.mark.engine
-def test_a_video_file_through_preprocess_gives_hf_tokens(engine, reference, preprocessor):
+def test_a_video_file_through_preprocess_gives_hf_tokens(engine, reference, preprocessor, tiny_models):
     """The whole preprocessing of a video file (decode, processor, wire) then the engine = HF
-    transformers on the frames the file was made from."""
+    transformers on the frames the file was made from, with the features or the vision tower's
+    output in their place."""
     import torch
 
+    from mmserve.encoder import Encoder, Towers
     from mmserve.families import get_family
     from mmserve.inputs import processed_prompt
     from mmserve_dev.hf_reference import chat_prompt
@@ -227,6 +229,11 @@ def test_a_video_file_through_preprocess_gives_hf_tokens(engine, reference, prep
         out = reference.model.generate(**hf.convert_to_tensors("pt"), max_new_tokens=12, do_sample=False)
     expected = out[0, hf["input_ids"].shape[1] :].tolist()
     prompt = processed_prompt(get_family(FAMILY), tensors["input_ids"], tensors)
+    assert list(engine.generate_sync(prompt, greedy(12)).outputs[0].token_ids) == expected
+    # the encoder apart (mmserve.encoder: the vision tower alone), its embeddings in their place
+    encoder = Encoder(Towers(tiny_models[FAMILY]), cache_bytes=0)
+    encoded = preprocessor.decode_wire(encoder.encoded(preprocessor("What happens?", videos=[encode_video(video)])))
+    prompt = processed_prompt(get_family(FAMILY), encoded["input_ids"], encoded)
     assert list(engine.generate_sync(prompt, greedy(12)).outputs[0].token_ids) == expected
 
 
@@ -431,10 +438,10 @@ def test_bad_audio_in_video_layouts_are_named(omni_reference):
 
 
 @pytest.mark.engine
-def test_omni_audio_in_video_parity_with_hf(omni_engine, omni_reference, omni_preprocessor):
+def test_omni_audio_in_video_parity_with_hf(omni_engine, omni_reference, omni_preprocessor, omni_encoder):
     """A video with its audio: HF transformers on the frames and the waveform = vLLM on the same raw
     media (the plugin's model class, with ``vllm_seam.OmniAudioInVideo``) = vLLM on
-    ``preprocess``'s tensors of the video file. (Stock vLLM 0.32 answers otherwise: its positions
+    ``preprocess``'s tensors of the video file = vLLM on the encoders' outputs of them. (Stock vLLM 0.32 answers otherwise: its positions
     of the span are one token off.)"""
     from mmserve.families import get_family
     from mmserve.inputs import processed_prompt
@@ -451,6 +458,11 @@ def test_omni_audio_in_video_parity_with_hf(omni_engine, omni_reference, omni_pr
         processed_prompt(get_family("qwen2_5_omni"), tensors["input_ids"], tensors), greedy(12)
     )
     assert list(processed_run.outputs[0].token_ids) == expected, "vLLM on preprocess's tensors != HF"
+    encoded = omni_preprocessor.decode_wire(omni_encoder.encoded(wire))
+    encoded_run = omni_engine.generate_sync(
+        processed_prompt(get_family("qwen2_5_omni"), encoded["input_ids"], encoded), greedy(12)
+    )
+    assert list(encoded_run.outputs[0].token_ids) == expected, "vLLM on the encoders' outputs != HF"
 
     from mmserve_dev.hf_reference import chat_prompt
     from mmserve_dev.samples import AUDIO_SAMPLE_RATE
@@ -466,9 +478,12 @@ def test_omni_audio_in_video_parity_with_hf(omni_engine, omni_reference, omni_pr
 
 
 @pytest.mark.engine
-def test_omni_image_video_and_audio_in_one_request_match_hf(omni_engine, omni_reference, omni_preprocessor):
+def test_omni_image_video_and_audio_in_one_request_match_hf(
+    omni_engine, omni_reference, omni_preprocessor, omni_encoder
+):
     """An image, a video and an audio clip in one conversation: HF transformers on the raw media =
-    vLLM on ``preprocess``'s tensors of the files = vLLM on the raw media."""
+    vLLM on ``preprocess``'s tensors of the files = vLLM on the encoders' outputs of them (encoder
+    offload) = vLLM on the raw media."""
     import json
 
     import torch
@@ -514,6 +529,11 @@ def test_omni_image_video_and_audio_in_one_request_match_hf(omni_engine, omni_re
         processed_prompt(get_family("qwen2_5_omni"), tensors["input_ids"], tensors), greedy(12)
     )
     assert list(got.outputs[0].token_ids) == expected, "vLLM on preprocess's tensors != HF"
+    encoded = omni_preprocessor.decode_wire(omni_encoder.encoded(wire))
+    got = omni_engine.generate_sync(
+        processed_prompt(get_family("qwen2_5_omni"), encoded["input_ids"], encoded), greedy(12)
+    )
+    assert list(got.outputs[0].token_ids) == expected, "vLLM on the encoders' outputs != HF"
 
     raw = {
         "prompt": text,

@@ -139,6 +139,8 @@ def _load(tower: TowerSpec, config: Any, path: Path) -> torch.nn.Module:
 
 
 MODALITIES = ("image", "video", "audio")
+CONSUMED = ("pixel_values", "pixel_values_uint8", "pixel_values_videos", "input_features", "feature_attention_mask")
+"""``preprocess``'s outputs whose place the ``Encoder``'s outputs take (the rest go on to ``mm_llm``)."""
 
 
 @dataclass
@@ -191,6 +193,11 @@ class Encoder:
         if "audio" in self.towers.modules:
             out["audio_embeds"], out["audio_feature_lengths"] = self._audio(tensors)
         return out
+
+    def encoded(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """``tensors`` (``preprocess``'s outputs) with the ``CONSUMED`` features replaced by the
+        encoders' outputs: what ``mm_ensemble_encoded`` hands ``mm_llm``."""
+        return {**{name: value for name, value in tensors.items() if name not in CONSUMED}, **self(tensors)}
 
     # -- vision: rows of patches per item, by the grid -------------------------------------------
     def _vision(self, modality: str, tensors: Mapping[str, Any]) -> np.ndarray:
