@@ -63,9 +63,14 @@ def omni_workload(omni_reference) -> list[tuple[Request, list[int]]]:
 # -- the live server (its helpers: utils.py) --------------------------------------------------------
 def pytest_collection_modifyitems(config, items):
     """Server tests run last, so that the session's one server (and its engine) never overlaps the
-    engines other modules start; among them, those that break the engine (``fault``) run at the end."""
+    engines other modules start: first those with a server of their own (``own_server``), which
+    stop it before the shared one starts; those that break the engine (``fault``) at the end."""
     items.sort(
-        key=lambda item: (item.get_closest_marker("server") is not None, item.get_closest_marker("fault") is not None)
+        key=lambda item: (
+            item.get_closest_marker("server") is not None,
+            item.get_closest_marker("own_server") is None,  # their own server first, then the shared one
+            item.get_closest_marker("fault") is not None,
+        )
     )
 
 

@@ -293,6 +293,8 @@ class BadTensors:
     wire: bool = False
     """Start from preprocess's tensors as it sends them (``pixel_values_uint8``) rather than the HF
     processor's (``pixel_values``), what a client that runs the processor itself sends."""
+    encoded: bool = False
+    """Start from the encoders' outputs in place of the features (what ``encode`` sends)."""
 
 
 def _edit(**changes: Any) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
@@ -428,6 +430,49 @@ LLM_CASES: list[BadTensors] = [
         r"(image|audio), prompt_token_ids: expected 1 run\(s\) of <\|(IMAGE|AUDIO)\|>",
     ),
     BadTensors(
+        "image_embeds one row short",
+        "mm_llm",
+        _edit(image_embeds=lambda e: e[:-1]),
+        r"image, image_embeds: expected \d+ rows \(one per placeholder token: sum of t\*h\*w/4 over image_grid_thw\), "
+        r"found \d+ rows",
+        encoded=True,
+    ),
+    BadTensors(
+        "image_embeds not the LLM's width",
+        "mm_llm",
+        _edit(image_embeds=lambda e: e[:, :-1]),
+        r"image, image_embeds: expected 128 values per row \(the language model's hidden size\), found shape \(\d+, 127\)",
+        encoded=True,
+    ),
+    BadTensors(
+        "image_embeds NaN",
+        "mm_llm",
+        _edit(image_embeds=_poke(float("nan"))),
+        r"image, image_embeds: expected finite values, found 1 NaN/Inf value\(s\)",
+        encoded=True,
+    ),
+    BadTensors(
+        "image_embeds and pixel_values",
+        "mm_llm",
+        _edit(pixel_values=np.zeros((4, 1176), np.float32)),
+        r"image: expected only the fields \['image_embeds', 'image_grid_thw'\], found unexpected field\(s\) \['pixel_values'\]",
+        encoded=True,
+    ),
+    BadTensors(
+        "audio_embeds without audio_feature_lengths",
+        "mm_llm",
+        _edit(audio_feature_lengths=None),
+        r"audio: expected the fields \['audio_embeds', 'audio_feature_lengths'\]",
+        encoded=True,
+    ),
+    BadTensors(
+        "audio_feature_lengths 1",
+        "mm_llm",
+        _edit(audio_feature_lengths=lambda n: np.ones_like(n)),
+        r"audio item 0, audio_feature_lengths: expected between 2 and \d+ valid frames, found 1",
+        encoded=True,
+    ),
+    BadTensors(
         "text_input not UTF-8",
         "mm_llm",
         _edit(text_input=np.array([b"\xff\xfe"], dtype=object)),
@@ -542,8 +587,19 @@ def processed(tiny_models, wire) -> dict[str, np.ndarray]:
     return tensors
 
 
+@pytest.fixture(scope="module")
+def encoded(tiny_models, wire) -> dict[str, np.ndarray]:
+    """The same request as ``mm_ensemble_encoded`` hands it to mm_llm: the encoders' outputs
+    (``image_embeds``, ``audio_embeds``, ``audio_feature_lengths``) in place of the features."""
+    from mmserve.encoder import Encoder, Towers
+
+    tensors = Encoder(Towers(tiny_models["qwen2_5_omni"]), cache_bytes=0).encoded(wire)
+    assert tensors["image_embeds"].shape[1] == 128 and "pixel_values_uint8" not in tensors
+    return tensors
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in LLM_CASES])
-def test_bad_tensors(server, references, processed, wire, case: BadTensors):
+def test_bad_tensors(server, references, processed, wire, encoded, case: BadTensors):
     from mmserve.client import ClientError
 
     if case.model == "preprocess":
@@ -553,18 +609,20 @@ def test_bad_tensors(server, references, processed, wire, case: BadTensors):
             infer_tensors(server, "preprocess", tensors)
     else:
         with pytest.raises(ClientError) as error:
-            send_tensors(server, "mm_llm", case.change(wire if case.wire else processed))
+            send_tensors(server, "mm_llm", case.change(encoded if case.encoded else wire if case.wire else processed))
     _assert_error(str(error.value), case.code, case.message)
     _assert_still_serving(server, references, "mm_ensemble", "grpc")
 
 
-def test_processed_request_to_mm_llm_is_served(server, processed, wire):
+def test_processed_request_to_mm_llm_is_served(server, processed, wire, encoded):
     """The unmodified tensors the bad cases start from are served (the cases fail for their change),
-    with the same answer in either form of the patches."""
+    with the same answer in either form of the patches, and as the encoders' outputs."""
     [final] = [r for r in send_tensors(server, "mm_llm", processed) if r.output_ids]
     assert len(final.output_ids) == 4
     [from_wire] = [r for r in send_tensors(server, "mm_llm", wire) if r.output_ids]
     assert from_wire.output_ids == final.output_ids
+    [from_encoded] = [r for r in send_tensors(server, "mm_llm", encoded) if r.output_ids]
+    assert from_encoded.output_ids == final.output_ids
 
 
 # -- the findings of issue 6, each as a regression test ------------------------------------------

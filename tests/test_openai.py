@@ -61,7 +61,7 @@ def _get(url: str) -> tuple[int, dict]:
 class Gateway:
     """``python -m mmserve.gateway`` in a subprocess on a free port; always stopped."""
 
-    def __init__(self, triton_url: str, log: Path) -> None:
+    def __init__(self, triton_url: str, log: Path, *extra_args: str) -> None:
         from mmserve_dev.triton import free_ports
 
         (self.port,) = free_ports(1)
@@ -81,6 +81,7 @@ class Gateway:
                     str(self.port),
                     "--log-level",
                     "warning",
+                    *extra_args,
                 ],
                 cwd=ROOT,
                 stdout=out,

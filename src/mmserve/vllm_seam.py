@@ -112,7 +112,7 @@ def check_vllm_version(installed: str | None = None) -> None:
         raise VLLMVersionError(problem)
 
 
-_SIGNATURES = {
+_SIGNATURES: dict[tuple[str, str, str | None], tuple[str, ...]] = {
     # what the hooks override or call: (module, object, attribute) -> its parameter names
     ("vllm.multimodal.processing", "BaseProcessingInfo", "parse_mm_data"): ("self", "mm_data", "validate"),
     ("vllm.multimodal.processing", "BaseProcessingInfo", "validate_num_items"): ("self", "modality", "num_items"),
