@@ -110,3 +110,83 @@ def test_the_gpu_benchmark_runs_without_a_gpu(tiny_models):
     if not torch.cuda.is_available():
         assert "no CUDA device here" in run.stdout
     assert "| cpu | float32 | image |" in run.stdout and "| cpu | float32 | audio |" in run.stdout
+
+
+# -- the Encoder (what the encode model runs): preprocess's outputs -> the fields mm_llm takes ---------
+def test_the_encoder_gives_the_towers_embeddings_item_by_item_through_its_cache(omni_towers, tiny_models):
+    """From ``preprocess``'s outputs as it sends them (uint8 patches): the same embeddings as the
+    towers on the decoded tensors, exactly; a second call is all cache hits and gives the same
+    arrays; ``encoded`` replaces the consumed features and keeps the rest."""
+    from mmserve.encoder import CONSUMED, Encoder, encode
+    from mmserve.serving.preprocess import Preprocessor
+
+    preprocessor = Preprocessor(tiny_models["qwen2_5_omni"])
+    wire = preprocessor(
+        "Describe.",
+        images=[encode_image(sample_image(3)), encode_image(sample_image(4))],
+        audios=[encode_audio(sample_audio(4, seconds=2.0)), encode_audio(sample_audio(5, seconds=1.0))],
+        videos=[encode_video(sample_video(5, frames=4))],
+    )
+    assert wire["pixel_values_uint8"].size
+    encoder = Encoder(omni_towers)
+    first = encoder(wire)
+    want = encode(omni_towers, preprocessor.decode_wire(wire))
+    for modality in ("image", "video", "audio"):
+        np.testing.assert_array_equal(first[f"{modality}_embeds"], want[modality].numpy())
+    np.testing.assert_array_equal(first["audio_feature_lengths"], wire["feature_attention_mask"].sum(-1))
+    assert encoder.stats.misses == {"image": 2, "video": 1, "audio": 2} and sum(encoder.stats.hits.values()) == 0
+    second = encoder(wire)
+    assert encoder.stats.hits == {"image": 2, "video": 1, "audio": 2}
+    assert all(np.array_equal(first[name], second[name]) for name in first)
+    handed_on = encoder.encoded(wire)
+    assert not set(CONSUMED) & set(handed_on) and set(first) <= set(handed_on)
+    assert handed_on["input_ids"] is wire["input_ids"] and handed_on["image_grid_thw"] is wire["image_grid_thw"]
+
+
+def test_the_cache_holds_at_most_its_bytes_and_evicts_the_oldest(omni_towers, tiny_models):
+    from mmserve.encoder import Encoder
+    from mmserve.serving.preprocess import Preprocessor
+
+    preprocessor = Preprocessor(tiny_models["qwen2_5_omni"])
+    requests = [preprocessor("Describe.", images=[encode_image(sample_image(seed))]) for seed in range(3)]
+    one = Encoder(omni_towers, cache_bytes=0)(requests[0])["image_embeds"].nbytes
+    encoder = Encoder(omni_towers, cache_bytes=2 * one)  # room for two images
+    for request in requests:
+        encoder(request)
+    assert encoder.stats.bytes == 2 * one and encoder.stats.misses["image"] == 3
+    encoder(requests[2])  # the newest: kept
+    encoder(requests[0])  # the oldest: evicted, encoded again
+    assert encoder.stats.hits["image"] == 1 and encoder.stats.misses["image"] == 4
+    assert encoder.stats.bytes <= 2 * one
+    uncached = Encoder(omni_towers, cache_bytes=0)
+    uncached(requests[0])
+    uncached(requests[0])
+    assert uncached.stats.bytes == 0 and uncached.stats.misses["image"] == 2
+
+
+def test_the_encode_service_answers_every_output(tiny_models):
+    """A Qwen2.5-VL checkpoint has no audio tower: its audio outputs are empty (Triton's ensemble
+    wants every output); a request without media gets every output empty."""
+    from mmserve.serving.contract import ENCODED_TENSORS
+    from mmserve.serving.encode import EncodeService, EncodeSettings
+    from mmserve.serving.preprocess import Preprocessor
+
+    service = EncodeService(str(tiny_models["qwen2_5_vl"]), EncodeSettings.from_parameters({"device": "cpu"}))
+    wire = Preprocessor(tiny_models["qwen2_5_vl"])("Describe.", images=[encode_image(sample_image(9))])
+    outputs = service(wire.get)
+    assert list(outputs) == [spec.name for spec in ENCODED_TENSORS]
+    assert outputs["image_embeds"].shape[0] > 0 and outputs["audio_embeds"].size == 0
+    assert outputs["audio_feature_lengths"].size == 0 and outputs["video_embeds"].size == 0
+    text_only = Preprocessor(tiny_models["qwen2_5_vl"])("Hello.")
+    assert all(value.size == 0 for value in service(text_only.get).values())
+    assert service.stats_delta()["image"] == (0, 1) and service.stats_delta()["image"] == (0, 0)
+
+
+def test_encode_settings_are_checked():
+    from mmserve.serving.encode import EncodeSettings
+
+    assert EncodeSettings.from_parameters({"device": "cpu", "dtype": "", "cache_bytes": ""}).cache_bytes == 256 << 20
+    with pytest.raises(ValueError, match="parameter dtype: expected one of"):
+        EncodeSettings.from_parameters({"dtype": "float64"})
+    with pytest.raises(ValueError, match="parameter cache_bytes: expected a number of bytes"):
+        EncodeSettings.from_parameters({"cache_bytes": "1GB"})

@@ -249,13 +249,13 @@ def test_parse_request_decodes_uint8_patches(tiny_models, preprocessor):
         parse_request(family, wire.get)  # no decoders: the tensor is refused, not ignored
 
 
-def _model_config(name: str):
+def _model_config(name: str, repository: str = "model_repository"):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
     from utils import ROOT
 
-    text = (ROOT / "model_repository" / name / "config.pbtxt").read_text()
+    text = (ROOT / repository / name / "config.pbtxt").read_text()
     return text_format.Parse(text, model_config_pb2.ModelConfig())
 
 
@@ -316,6 +316,36 @@ def test_model_repository_configs_follow_the_tensor_contract():
         name: name for name in wire.names((wire.TEXT_INPUT, *wire.GENERATION_INPUTS))
     }
     assert dict(second.output_map) == {name: name for name in wire.names(wire.OUTPUTS)}
+
+
+def test_the_encoder_repository_follows_the_tensor_contract():
+    """``encode`` takes what preprocess outputs and outputs the encoded tensors; ``mm_ensemble_encoded``
+    has mm_ensemble's inputs and outputs, gives encode the features it consumes and mm_llm every other
+    preprocess output, encode's outputs and the request's own inputs."""
+    from mmserve import wire
+    from mmserve.encoder import CONSUMED
+    from mmserve.serving.contract import ENCODED_TENSORS, FEATURE_TENSORS, INPUT_IDS
+
+    encode = _model_config("encode", "model_repository_encoder")
+    assert _listed(encode.input) == _expected(FEATURE_TENSORS)
+    assert _listed(encode.output) == _expected(ENCODED_TENSORS, required=wire.names(ENCODED_TENSORS))
+    ensemble, plain = _model_config("mm_ensemble_encoded", "model_repository_encoder"), _model_config("mm_ensemble")
+    assert (_listed(ensemble.input), _listed(ensemble.output)) == (_listed(plain.input), _listed(plain.output))
+    first, second, third = ensemble.ensemble_scheduling.step
+    assert (first.model_name, second.model_name, third.model_name) == ("preprocess", "encode", "mm_llm")
+    assert first == plain.ensemble_scheduling.step[0]
+    produced = {name: f"_{name}" for name in wire.names((INPUT_IDS, *FEATURE_TENSORS))}
+    assert dict(first.output_map) == produced
+    grids = {"image_grid_thw", "video_grid_thw"}
+    assert dict(second.input_map) == {
+        name: internal for name, internal in produced.items() if name in {*CONSUMED, *grids}
+    }
+    encoded = {name: f"_{name}" for name in wire.names(ENCODED_TENSORS)}
+    assert dict(second.output_map) == encoded
+    own = {name: name for name in wire.names((wire.TEXT_INPUT, *wire.GENERATION_INPUTS))}
+    kept = {name: internal for name, internal in produced.items() if name not in CONSUMED}
+    assert dict(third.input_map) == {**kept, **encoded, **own}
+    assert dict(third.output_map) == dict(plain.ensemble_scheduling.step[1].output_map)
 
 
 def test_the_client_names_only_tensors_of_the_contract():

@@ -19,7 +19,7 @@ import numpy as np
 
 from mmserve.encoder import MODALITIES, Encoder, Towers
 from mmserve.errors import InputError
-from mmserve.serving.contract import FEATURE_TENSORS
+from mmserve.serving.contract import ENCODED_TENSORS, FEATURE_TENSORS, empty_feature
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -60,11 +60,13 @@ class EncodeService:
             value = get(spec.name)
             if value is not None and value.size:
                 tensors[spec.name] = value
+        outputs = {spec.name: empty_feature(spec) for spec in ENCODED_TENSORS}  # every output, as Triton wants
         try:
-            return self.encoder(tensors)
+            outputs.update(self.encoder(tensors))
         except (ValueError, IndexError, RuntimeError) as exc:
             # a shape the towers can't take (preprocess's own outputs always fit: a direct caller's)
             raise InputError(f"encode: the feature tensors do not fit the encoders ({exc})") from exc
+        return outputs
 
     def stats_delta(self) -> dict[str, tuple[int, int]]:
         """Per modality, (hits, misses) since the last call."""
@@ -83,7 +85,9 @@ class CacheMetrics:
         family = pb_utils.MetricFamily
         # A MetricFamily must outlive its Metric objects (Triton refuses updates otherwise).
         self._hits = family(
-            name="mmserve_encoder_cache_hits_total", description="Items whose embeddings were cached.", kind=family.COUNTER
+            name="mmserve_encoder_cache_hits_total",
+            description="Items whose embeddings were cached.",
+            kind=family.COUNTER,
         )
         self._misses = family(
             name="mmserve_encoder_cache_misses_total", description="Items encoded.", kind=family.COUNTER
