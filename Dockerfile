@@ -83,6 +83,7 @@ FROM runtime
 WORKDIR /opt/mmserve
 COPY --from=tiny-models /opt/mmserve/models ./models
 COPY model_repository ./model_repository
+COPY model_repository_encoder ./model_repository_encoder
 COPY docker/model.gpu.json ./model_repository/mm_llm/model.json
 
 # Checkpoints are local directories: never reach for the Hugging Face Hub or send usage stats.

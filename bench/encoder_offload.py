@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 before = cache_counts(server.metrics_url)
                 for round_ in range(args.rounds):
                     # a new seed per cell and round, the same for both chains
-                    seed = 10_000 * (w_index + 1) + 100 * concurrency + 10 * round_
+                    seed = 100_000 * (w_index + 1) + 10_000 * concurrency + 1_000 * round_
                     requests = build(workload, args.requests, seed=seed, pool=args.pool)
                     order = CHAINS if round_ % 2 == 0 else CHAINS[::-1]
                     for chain in order:

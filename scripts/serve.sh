@@ -6,18 +6,19 @@
 # and shared memory go too); if this script is killed, everything it started goes with it.
 #
 #   scripts/serve.sh [--model DIR] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
-#                    [--openai-port 9000 | --no-openai] [--preset NAME]
+#                    [--openai-port 9000 | --no-openai] [--preset NAME] [--encoder]
 #
 # --model DIR      serve another local checkpoint (sets MMSERVE_MODEL for preprocess and mm_llm)
 # --preset NAME    engine arguments of deploy/presets/NAME/model.json (a real checkpoint: with --model DIR)
 # --openai-port N  the gateway's port (/v1/chat/completions, /v1/models, /health; default 9000)
 # --no-openai      tritonserver alone
+# --encoder        also model_repository_encoder/: the encode model and mm_ensemble_encoded
 # Environment: VLLM_CPU_KVCACHE_SPACE (GiB of KV cache on the CPU, default 2), MMSERVE_VENV.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
-http=8000 grpc=8001 metrics=8002 openai=9000 preset=""
+http=8000 grpc=8001 metrics=8002 openai=9000 preset="" encoder=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model) export MMSERVE_MODEL=$(cd "$2" && pwd); shift 2 ;;
@@ -27,7 +28,8 @@ while [[ $# -gt 0 ]]; do
     --openai-port) openai=$2; shift 2 ;;
     --no-openai) openai=""; shift ;;
     --preset) preset=$2; shift 2 ;;
-    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --encoder) encoder=1; shift ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -62,6 +64,10 @@ fi
 # exec: this script's process becomes the launcher, which stops everything on SIGINT/SIGTERM/SIGHUP
 # (also when started in the background, where SIGINT starts ignored) and takes tritonserver and the
 # gateway along if it is killed (mmserve_dev.triton).
-exec "$VENV/bin/python" -m mmserve_dev.triton --model-repository "$repository" \
+repositories=(--model-repository "$repository") keep=mm_llm,mm_ensemble
+if [[ -n $encoder ]]; then
+  repositories+=(--model-repository "$ROOT/model_repository_encoder") keep+=,mm_ensemble_encoded
+fi
+exec "$VENV/bin/python" -m mmserve_dev.triton "${repositories[@]}" \
   --http-port "$http" --grpc-port "$grpc" --metrics-port "$metrics" "${openai_args[@]}" \
-  --shm-default-byte-size $((32 * 1024 * 1024)) --keep-loaded mm_llm,mm_ensemble --hint "$hint"
+  --shm-default-byte-size $((32 * 1024 * 1024)) --keep-loaded "$keep" --hint "$hint"
