@@ -12,7 +12,7 @@ VENV=${MMSERVE_VENV:-$ROOT/.venv}
 "$VENV/bin/ruff" format --check "$ROOT"
 (cd "$ROOT" && "$VENV/bin/mypy")
 # The adapters one at a time: each is a module named "model".
-for adapter in "$ROOT"/model_repository/*/1/model.py; do
+for adapter in "$ROOT"/model_repository/*/1/model.py "$ROOT"/model_repository_encoder/*/1/model.py; do
     (cd "$ROOT" && "$VENV/bin/mypy" --follow-imports=silent "$adapter")
 done
 set +e
