@@ -85,12 +85,18 @@ def test_vl_vision_tower(tiny_models):
         towers.audio(np.zeros((1, 128, 10), np.float32), np.ones((1, 10), np.int32))
 
 
-def test_a_family_without_towers_says_so(tiny_models):
-    from mmserve.encoder import Towers
+def test_a_family_without_towers_says_so(tiny_models, monkeypatch):
+    """A family that declares no towers (a user's own, say) can't be encoded apart."""
+    import dataclasses
+
+    from mmserve import encoder
+    from mmserve.families import get_family
 
     assert json.loads((tiny_models["qwen2_audio"] / "config.json").read_text())["architectures"]
+    bare = dataclasses.replace(get_family("qwen2_audio"), towers=())
+    monkeypatch.setattr(encoder, "family_of_checkpoint", lambda path: bare)
     with pytest.raises(ValueError, match="qwen2_audio: no encoder towers declared"):
-        Towers(tiny_models["qwen2_audio"])
+        encoder.Towers(tiny_models["qwen2_audio"])
 
 
 def test_the_gpu_benchmark_runs_without_a_gpu(tiny_models):
@@ -190,3 +196,35 @@ def test_encode_settings_are_checked():
         EncodeSettings.from_parameters({"dtype": "float64"})
     with pytest.raises(ValueError, match="parameter cache_bytes: expected a number of bytes"):
         EncodeSettings.from_parameters({"cache_bytes": "1GB"})
+
+
+def test_qwen2_audio_tower_and_projector(tiny_models):
+    """Qwen2-Audio's tower reads each clip's whole 30-s window with the padding masked, then its
+    projector: the rows of each clip's valid frames = what the HF model's forward merges into the
+    prompt (computed here as it does), exactly; the Encoder gives the same per clip."""
+    from transformers.masking_utils import create_bidirectional_mask
+
+    from mmserve.encoder import Encoder, Towers
+    from mmserve_dev.hf_reference import HFReference
+
+    reference = HFReference("qwen2_audio", tiny_models["qwen2_audio"])
+    tensors = _preprocessed(
+        tiny_models["qwen2_audio"],
+        audios=[encode_audio(sample_audio(4, seconds=2.0)), encode_audio(sample_audio(5, seconds=1.0))],
+    )
+    features, mask = (torch.from_numpy(tensors[name]) for name in ("input_features", "feature_attention_mask"))
+    model = reference.model.model
+    with torch.inference_mode():
+        after_cnn, outputs = model.audio_tower._get_feat_extract_output_lengths(mask.sum(-1))
+        steps = (features.shape[-1] - 2) // 2 + 1
+        valid = (torch.arange(steps)[None, :] < after_cnn[:, None]).long()
+        attention = create_bidirectional_mask(
+            config=model.audio_tower.config, inputs_embeds=torch.zeros(len(features), steps, 1), attention_mask=valid
+        )
+        hidden = model.multi_modal_projector(model.audio_tower(features, attention_mask=attention).last_hidden_state)
+        want = hidden[torch.arange(hidden.shape[1])[None, :] < outputs[:, None]]
+    towers = Towers(tiny_models["qwen2_audio"])
+    assert "audio" in towers.projectors and towers.modalities == ("audio",)
+    torch.testing.assert_close(towers.audio(features, mask), want, rtol=0, atol=0)
+    encoded = Encoder(towers, cache_bytes=0)(tensors)
+    np.testing.assert_array_equal(encoded["audio_embeds"], want.numpy())

@@ -55,13 +55,24 @@ def family_engine(request, tiny_models):
 
 
 @pytest.mark.engine
-def test_family_parity(family_engine, references):
+def test_family_parity(family_engine, references, tiny_models):
+    """HF transformers on the raw inputs = vLLM on them = vLLM on the processor's tensors = vLLM on
+    the towers' outputs in their place (``mmserve.encoder``: the encoder offload's form)."""
+    from mmserve.encoder import Encoder, Towers
+    from mmserve.families import get_family
+    from mmserve.inputs import processed_prompt
+
     family_name, engine = family_engine
     reference = references[family_name]
+    encoder = Encoder(Towers(tiny_models[family_name]), cache_bytes=0)
     for case, parts in FAMILY_CASES[family_name].items():
         request = make_request(reference, case, parts, seed=5)
         expected = reference.generate(request.text, request.images, request.audios, max_new_tokens=12)
         raw = engine.generate_sync(request.raw_prompt(), greedy()).outputs[0].token_ids
         pre = engine.generate_sync(processed(family_name, request), greedy()).outputs[0].token_ids
+        tensors = encoder.encoded(dict(request.hf_inputs))
+        prompt = processed_prompt(get_family(family_name), tensors["input_ids"], tensors)
+        encoded = engine.generate_sync(prompt, greedy()).outputs[0].token_ids
         assert list(raw) == expected, f"{family_name}/{case}: vLLM raw != HF"
         assert list(pre) == expected, f"{family_name}/{case}: vLLM processed != HF"
+        assert list(encoded) == expected, f"{family_name}/{case}: vLLM on the encoders' outputs != HF"

@@ -50,10 +50,15 @@ class Towers:
         finally:
             hf_logging.set_verbosity(verbosity)
         self.modules: dict[str, torch.nn.Module] = {}
+        self.projectors: dict[str, torch.nn.Module] = {}
+        self.specs: dict[str, TowerSpec] = {}
         for tower in self.family.towers:
             module = _load(tower, config, self.path).to(device=self.device, dtype=self.dtype).eval()
+            projector = _load_projector(tower, config, self.path)
             for modality in tower.modalities:
-                self.modules[modality] = module
+                self.modules[modality], self.specs[modality] = module, tower
+                if projector is not None:
+                    self.projectors[modality] = projector.to(device=self.device, dtype=self.dtype).eval()
         # the language model's width: every embedding's (its config sits beside the towers')
         parent = config
         for name in self.family.towers[0].config_path[:-1]:
@@ -91,10 +96,25 @@ class Towers:
         features = self._tensor(input_features).to(self.dtype)
         mask = self._tensor(feature_attention_mask).bool()
         lengths = mask.sum(-1)
-        valid = features.permute(0, 2, 1)[mask].permute(1, 0)
-        after_cnn, _ = tower._get_feat_extract_output_lengths(lengths)
+        after_cnn, outputs = tower._get_feat_extract_output_lengths(lengths)
         with torch.inference_mode():
-            return tower(valid, feature_lens=lengths, aftercnn_lens=after_cnn).last_hidden_state
+            if not self.specs["audio"].padded:
+                valid = features.permute(0, 2, 1)[mask].permute(1, 0)
+                return tower(valid, feature_lens=lengths, aftercnn_lens=after_cnn).last_hidden_state
+            # the whole window, the padding masked out (as the HF model's forward does), then the
+            # projector, then each clip's valid rows
+            from transformers.masking_utils import create_bidirectional_mask
+
+            steps = (features.shape[-1] - 2) // 2 + 1
+            valid_steps = (torch.arange(steps, device=self.device)[None, :] < after_cnn[:, None]).long()
+            attention = create_bidirectional_mask(
+                config=tower.config,
+                inputs_embeds=torch.zeros(features.shape[0], steps, 1, dtype=self.dtype, device=self.device),
+                attention_mask=valid_steps,
+            )
+            hidden = self.projectors["audio"](tower(features, attention_mask=attention).last_hidden_state)
+            keep = torch.arange(hidden.shape[1], device=self.device)[None, :] < outputs[:, None]
+            return hidden[keep]
 
     def _vision(self, modality: str, pixels: Any, grid: Any) -> torch.Tensor:
         import torch
@@ -118,24 +138,44 @@ class Towers:
 
 def _load(tower: TowerSpec, config: Any, path: Path) -> torch.nn.Module:
     """The tower built from its sub-config, with its weights alone read from the safetensors."""
-    from safetensors import safe_open
-
     for name in tower.config_path:
         config = getattr(config, name)
-    module_name, class_name = tower.hf_class.split(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
     config._attn_implementation = "sdpa"  # what from_pretrained picks on its own
-    module = cls._from_config(config)
+    module = _class(tower.hf_class)._from_config(config)
+    module.load_state_dict(_weights(path, tower.weights_prefix), strict=True)
+    return module
+
+
+def _load_projector(tower: TowerSpec, config: Any, path: Path) -> torch.nn.Module | None:
+    """The tower's ``projector``, built from the config above the tower's, with its weights."""
+    if tower.projector is None:
+        return None
+    for name in tower.config_path[:-1]:
+        config = getattr(config, name)
+    hf_class, prefix = tower.projector
+    module = _class(hf_class)(config)
+    module.load_state_dict(_weights(path, prefix), strict=True)
+    return module
+
+
+def _class(path: str) -> Any:
+    module_name, class_name = path.split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def _weights(path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under ``prefix`` (the prefix removed), from its safetensors files."""
+    from safetensors import safe_open
+
     state: dict[str, torch.Tensor] = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), "pt") as weights:
             for key in weights.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-                if key.startswith(tower.weights_prefix):
-                    state[key[len(tower.weights_prefix) :]] = weights.get_tensor(key)
+                if key.startswith(prefix):
+                    state[key[len(prefix) :]] = weights.get_tensor(key)
     if not state:
-        raise ValueError(f"{path}: no weights under {tower.weights_prefix!r}")
-    module.load_state_dict(state, strict=True)
-    return module
+        raise ValueError(f"{path}: no weights under {prefix!r}")
+    return state
 
 
 MODALITIES = ("image", "video", "audio")
@@ -230,7 +270,12 @@ class Encoder:
             return np.zeros((0, self.hidden_size), np.float32), np.zeros((0,), np.int64)
         features, mask = np.asarray(tensors["input_features"]), np.asarray(mask)
         lengths = mask.sum(-1).astype(np.int64)
-        items = [(features[i, :, : lengths[i]], lengths[i : i + 1]) for i in range(len(lengths))]
+        # A padded tower's convolutions read the feature extractor's padding next to the valid
+        # frames: such an item is its whole window; otherwise its valid frames alone.
+        whole = self.towers.specs["audio"].padded
+        items = [
+            (features[i] if whole else features[i, :, : lengths[i]], lengths[i : i + 1]) for i in range(len(lengths))
+        ]
 
         def encode(batch: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
             frames = max(f.shape[-1] for f, _ in batch)

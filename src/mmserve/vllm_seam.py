@@ -131,6 +131,12 @@ _SIGNATURES: dict[tuple[str, str, str | None], tuple[str, ...]] = {
         "passthrough_data",
         "processed_data",
     ),
+    ("vllm.multimodal.processing", "BaseMultiModalProcessor", "_get_mm_prompt_updates"): (
+        "self",
+        "mm_items",
+        "hf_processor_mm_kwargs",
+        "out_mm_kwargs",
+    ),
     ("vllm.multimodal.processing", "BaseMultiModalProcessor", "_validate_mm_kwargs"): (
         "self",
         "mm_kwargs",
@@ -221,6 +227,19 @@ _SIGNATURES: dict[tuple[str, str, str | None], tuple[str, ...]] = {
         "Qwen2_5OmniThinkerForConditionalGeneration",
         "_parse_and_validate_multimodal_inputs",
     ): ("self", "kwargs"),
+    # Qwen2-Audio fed its tower's output (Qwen2AudioEmbeddings)
+    (
+        "vllm.model_executor.models.qwen2_audio",
+        "Qwen2AudioForConditionalGeneration",
+        "_parse_and_validate_audio_input",
+    ): (
+        "self",
+        "kwargs",
+    ),
+    ("vllm.model_executor.models.qwen2_audio", "Qwen2AudioForConditionalGeneration", "_process_audio_input"): (
+        "self",
+        "audio_input",
+    ),
     ("vllm.v1.metrics.loggers", "StatLoggerManager", "__init__"): (
         "self",
         "vllm_config",
@@ -467,14 +486,13 @@ class MultiModalProcessorHooks:
         raise NotImplementedError
 
     def own_fields_config(self, hf_inputs: Mapping[str, Any]) -> Mapping[str, MultiModalFieldConfig]:
-        """``MultiModalFieldConfig`` of the project's fields that the stock processor has none for
-        (Qwen2.5-Omni's ``audio_embeds``)."""
+        """``MultiModalFieldConfig`` of the project's fields where the stock processor has none
+        (Qwen2.5-Omni's ``audio_embeds``) or another (Qwen2-Audio's, one tensor per clip): these win."""
         return {}
 
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):  # vLLM's signature
         config = dict(super()._get_mm_fields_config(hf_inputs, hf_processor_mm_kwargs))  # type: ignore[misc]
-        for name, field in self.own_fields_config(hf_inputs).items():
-            config.setdefault(name, field)
+        config.update(self.own_fields_config(hf_inputs))
         return config
 
     def apply(self, inputs, timing_ctx):  # vLLM's signature (ProcessorInputs, TimingContext)
@@ -488,6 +506,14 @@ class MultiModalProcessorHooks:
         out = super()._finalize_hf_mm_data(hf_data, hf_kwargs, passthrough_data, processed_data)  # type: ignore[misc]
         out.update({name: value for name, value in passthrough_data.items() if name in out})
         return out
+
+    def _get_mm_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):  # vLLM's signature
+        # The prompt is expanded already: no update is applied (below), so none is computed (a
+        # family's own may not understand the project's fields: Qwen2-Audio's reads audio_embeds
+        # as one tensor per clip).
+        if any(self.owns(items) for items in mm_items.values()):
+            return {}
+        return super()._get_mm_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)  # type: ignore[misc]
 
     def _maybe_apply_prompt_updates(self, mm_items, mm_res):  # vLLM's signature
         if not any(self.owns(items) for items in mm_items.values()):
@@ -632,14 +658,39 @@ class OmniEmbeddings:
     def _process_audio_input(self, audio_input: Any) -> Any:
         if audio_input["type"] != "audio_embeds":
             return super()._process_audio_input(audio_input)  # type: ignore[misc]
-        lengths = audio_input["audio_feature_lengths"].reshape(-1).tolist()
-        sizes = [self._compute_audio_token_count(int(n)) for n in lengths]  # type: ignore[attr-defined]
-        return audio_input["audio_embeds"].type(self.audio_tower.dtype).split(sizes)  # type: ignore[attr-defined]
+        return _split_audio(self, audio_input["audio_embeds"], audio_input["audio_feature_lengths"])
 
     def _split_vision(self, embeds: Any, grid_thw: Any) -> Any:
         merge = self.visual.spatial_merge_size  # type: ignore[attr-defined]
         sizes = (grid_thw.reshape(-1, 3).prod(-1) // merge // merge).tolist()
         return embeds.type(self.visual.dtype).split(sizes)  # type: ignore[attr-defined]
+
+
+class Qwen2AudioEmbeddings:
+    """Qwen2-Audio fed its audio tower's output as the project's encoded form (``audio_embeds`` of
+    all clips, rows in order, with ``audio_feature_lengths``): split per clip by the tower's rule.
+    vLLM 0.32's own ``audio_embeds`` (one tensor per clip, from ``--enable-mm-embeds``) is left as
+    it is."""
+
+    def _parse_and_validate_audio_input(self, **kwargs: object) -> Any:
+        if kwargs.get("audio_embeds") is not None and kwargs.get("audio_feature_lengths") is not None:
+            return {
+                "type": "audio_embeds",
+                "audio_embeds": kwargs["audio_embeds"],
+                "audio_feature_lengths": kwargs["audio_feature_lengths"],
+            }
+        return super()._parse_and_validate_audio_input(**kwargs)  # type: ignore[misc]
+
+    def _process_audio_input(self, audio_input: Any) -> Any:
+        if not isinstance(audio_input, dict):  # vLLM's own inputs (a TensorSchema), features or embeddings
+            return super()._process_audio_input(audio_input)  # type: ignore[misc]
+        return _split_audio(self, audio_input["audio_embeds"], audio_input["audio_feature_lengths"])
+
+
+def _split_audio(model: Any, embeds: Any, lengths: Any) -> Any:
+    """All clips' rows -> one tensor per clip (its output length, by the audio tower's own rule)."""
+    _, sizes = model.audio_tower._get_feat_extract_output_lengths(lengths.reshape(-1))
+    return embeds.split([int(n) for n in sizes.tolist()])
 
 
 def omni_audio_in_video_tokens(
@@ -699,6 +750,7 @@ __all__ = [
     "OmniAudioInVideo",
     "OmniEmbeddings",
     "Placement",
+    "Qwen2AudioEmbeddings",
     "omni_audio_in_video_tokens",
     "AsyncLLM",
     "DictEmbeddingItems",

@@ -189,6 +189,14 @@ class TowerSpec:
     """Attributes from the checkpoint's config to the tower's, e.g. ``("thinker_config", "vision_config")``."""
     weights_prefix: str
     """Of the tower's keys in the checkpoint's safetensors, e.g. ``"thinker.visual."``."""
+    projector: tuple[str, str] | None = None
+    """``("module:Class", weights prefix)`` of a module after the tower that maps its output to the
+    language model's width, built from the config above the tower's (Qwen2-Audio's
+    ``multi_modal_projector``); None where the tower outputs that width itself."""
+    padded: bool = False
+    """An audio tower that takes every clip padded to its whole window (``2 * max_source_positions``
+    frames) with a mask over the padding (Qwen2-Audio's absolute positions), not the valid frames
+    packed together (Qwen2.5-Omni)."""
 
 
 @dataclass(frozen=True)
