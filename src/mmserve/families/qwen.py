@@ -215,15 +215,17 @@ class QwenVisionImage(ModalitySpec):
         return decode
 
     def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
-        self.validate_layout(data, hf_config)
-        patch_dim, _ = _vision(hf_config)
-        _check_patches("image", "pixel_values", data["pixel_values"], data["image_grid_thw"], patch_dim)
+        self.validate_layout(data, hf_config, patches="pixel_values")
 
-    def validate_layout(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
-        """Every field but the patches (what ``VisionEmbeddings`` shares)."""
+    def validate_layout(
+        self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig, *, patches: str | None = None
+    ) -> None:
+        """Every field, the patches (``patches``) only if named (``VisionEmbeddings`` has none)."""
         grid = data["image_grid_thw"]
-        _, merge = _vision(hf_config)
+        patch_dim, merge = _vision(hf_config)
         _check_grid("image", grid, merge)
+        if patches is not None:
+            _check_patches("image", patches, data[patches], grid, patch_dim)
         for index, (t, h, w) in enumerate(grid.tolist()):
             if t != 1:  # vLLM's M-RoPE asserts it for images, in the engine
                 raise ProcessedInputError(
@@ -331,15 +333,17 @@ class QwenVisionVideo(ModalitySpec):
         return decode
 
     def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
-        self.validate_layout(data, hf_config)
-        patch_dim, _ = _vision(hf_config)
-        _check_patches("video", "pixel_values_videos", data["pixel_values_videos"], data["video_grid_thw"], patch_dim)
+        self.validate_layout(data, hf_config, patches="pixel_values_videos")
 
-    def validate_layout(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
-        """Every field but the patches (what ``VisionEmbeddings`` shares)."""
+    def validate_layout(
+        self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig, *, patches: str | None = None
+    ) -> None:
+        """Every field, the patches (``patches``) only if named (``VisionEmbeddings`` has none)."""
         grid, seconds = data["video_grid_thw"], data["second_per_grid_ts"]
-        _, merge = _vision(hf_config)
+        patch_dim, merge = _vision(hf_config)
         _check_grid("video", grid, merge)
+        if patches is not None:
+            _check_patches("video", patches, data[patches], grid, patch_dim)
         if tuple(seconds.shape) != (grid.shape[0],):
             raise ProcessedInputError(
                 "video",

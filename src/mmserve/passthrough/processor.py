@@ -66,11 +66,15 @@ class PassthroughProcessorMixin(vllm_seam.MultiModalProcessorHooks):
         return isinstance(items, ProcessedItems)
 
     def own_fields_config(self, hf_inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+        # The encoded forms' own fields (the embeddings); those they share with the features (grids,
+        # video seconds) keep the stock configuration, as in the features' path.
         hf_config = self.info.get_hf_config()  # type: ignore[attr-defined]
         config: dict[str, Any] = {}
         for spec in self.family.encoded:
             if spec.fields[0].name in hf_inputs:
-                config.update(spec.fields_config(hf_inputs, hf_config))
+                shared = self.family.modality(spec.modality)
+                own = spec.field_names - (shared.field_names if shared is not None else frozenset())
+                config.update({k: v for k, v in spec.fields_config(hf_inputs, hf_config).items() if k in own})
         return config
 
     def check_request(self, mm_items: Mapping[str, Any]) -> None:
