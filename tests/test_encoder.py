@@ -36,16 +36,16 @@ def test_omni_towers_give_the_models_embeddings(omni_towers, omni_reference, tin
         audios=[encode_audio(sample_audio(4, seconds=2.0))],
         videos=[encode_video(sample_video(5, frames=4))],
     )
-    from mmserve.encoder import encode
+    from mmserve.encoder import Encoder
 
-    embeddings = encode(omni_towers, tensors)
+    encoded = Encoder(omni_towers, cache_bytes=0)(tensors)
+    embeddings = {m: torch.from_numpy(encoded[f"{m}_embeds"]) for m in ("image", "video", "audio")}
     model = omni_reference.model
     t = {name: torch.from_numpy(np.asarray(value)) for name, value in tensors.items()}
     with torch.inference_mode():
         image = torch.cat(model.get_image_features(t["pixel_values"], t["image_grid_thw"]).pooler_output)
         video = torch.cat(model.get_video_features(t["pixel_values_videos"], t["video_grid_thw"]).pooler_output)
         audio = model.get_audio_features(t["input_features"], t["feature_attention_mask"]).last_hidden_state
-    assert sorted(embeddings) == ["audio", "image", "video"]
     torch.testing.assert_close(embeddings["image"], image, rtol=0, atol=0)
     torch.testing.assert_close(embeddings["video"], video, rtol=0, atol=0)
     torch.testing.assert_close(embeddings["audio"], audio, rtol=0, atol=0)
@@ -123,7 +123,7 @@ def test_the_encoder_gives_the_towers_embeddings_item_by_item_through_its_cache(
     """From ``preprocess``'s outputs as it sends them (uint8 patches): the same embeddings as the
     towers on the decoded tensors, exactly; a second call is all cache hits and gives the same
     arrays; ``encoded`` replaces the consumed features and keeps the rest."""
-    from mmserve.encoder import CONSUMED, Encoder, encode
+    from mmserve.encoder import Encoder
     from mmserve.serving.preprocess import Preprocessor
 
     preprocessor = Preprocessor(tiny_models["qwen2_5_omni"])
@@ -136,7 +136,12 @@ def test_the_encoder_gives_the_towers_embeddings_item_by_item_through_its_cache(
     assert wire["pixel_values_uint8"].size
     encoder = Encoder(omni_towers)
     first = encoder(wire)
-    want = encode(omni_towers, preprocessor.decode_wire(wire))
+    decoded = preprocessor.decode_wire(wire)  # the towers on all items at once, no cache
+    want = {
+        "image": omni_towers.image(decoded["pixel_values"], decoded["image_grid_thw"]),
+        "video": omni_towers.video(decoded["pixel_values_videos"], decoded["video_grid_thw"]),
+        "audio": omni_towers.audio(decoded["input_features"], decoded["feature_attention_mask"]),
+    }
     for modality in ("image", "video", "audio"):
         np.testing.assert_array_equal(first[f"{modality}_embeds"], want[modality].numpy())
     np.testing.assert_array_equal(first["audio_feature_lengths"], wire["feature_attention_mask"].sum(-1))
@@ -145,7 +150,14 @@ def test_the_encoder_gives_the_towers_embeddings_item_by_item_through_its_cache(
     assert encoder.stats.hits == {"image": 2, "video": 1, "audio": 2}
     assert all(np.array_equal(first[name], second[name]) for name in first)
     handed_on = encoder.encoded(wire)
-    assert not set(CONSUMED) & set(handed_on) and set(first) <= set(handed_on)
+    assert encoder.consumed == {
+        "pixel_values",
+        "pixel_values_uint8",
+        "pixel_values_videos",
+        "input_features",
+        "feature_attention_mask",
+    }
+    assert not encoder.consumed & set(handed_on) and set(first) <= set(handed_on)
     assert handed_on["input_ids"] is wire["input_ids"] and handed_on["image_grid_thw"] is wire["image_grid_thw"]
 
 

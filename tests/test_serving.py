@@ -323,8 +323,10 @@ def test_the_encoder_repository_follows_the_tensor_contract():
     has mm_ensemble's inputs and outputs, gives encode the features it consumes and mm_llm every other
     preprocess output, encode's outputs and the request's own inputs."""
     from mmserve import wire
-    from mmserve.encoder import CONSUMED
+    from mmserve.families import FAMILIES
     from mmserve.serving.contract import ENCODED_TENSORS, FEATURE_TENSORS, INPUT_IDS
+
+    consumed = frozenset().union(*(family.replaced_by_encoded for family in FAMILIES.values()))
 
     encode = _model_config("encode", "model_repository_encoder")
     assert _listed(encode.input) == _expected(FEATURE_TENSORS)
@@ -338,12 +340,12 @@ def test_the_encoder_repository_follows_the_tensor_contract():
     assert dict(first.output_map) == produced
     grids = {"image_grid_thw", "video_grid_thw"}
     assert dict(second.input_map) == {
-        name: internal for name, internal in produced.items() if name in {*CONSUMED, *grids}
+        name: internal for name, internal in produced.items() if name in {*consumed, *grids}
     }
     encoded = {name: f"_{name}" for name in wire.names(ENCODED_TENSORS)}
     assert dict(second.output_map) == encoded
     own = {name: name for name in wire.names((wire.TEXT_INPUT, *wire.GENERATION_INPUTS))}
-    kept = {name: internal for name, internal in produced.items() if name not in CONSUMED}
+    kept = {name: internal for name, internal in produced.items() if name not in consumed}
     assert dict(third.input_map) == {**kept, **encoded, **own}
     assert dict(third.output_map) == dict(plain.ensemble_scheduling.step[1].output_map)
 

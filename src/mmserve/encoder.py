@@ -179,8 +179,6 @@ def _weights(path: Path, prefix: str) -> dict[str, torch.Tensor]:
 
 
 MODALITIES = ("image", "video", "audio")
-CONSUMED = ("pixel_values", "pixel_values_uint8", "pixel_values_videos", "input_features", "feature_attention_mask")
-"""``preprocess``'s outputs whose place the ``Encoder``'s outputs take (the rest go on to ``mm_llm``)."""
 
 
 @dataclass
@@ -190,13 +188,6 @@ class CacheStats:
     hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODALITIES, 0))
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODALITIES, 0))
     bytes: int = 0
-
-
-_VISION = {
-    # modality: its grid, its patches (the processor's field, then the wire fields standing for it)
-    "image": ("image_grid_thw", ("pixel_values", "pixel_values_uint8")),
-    "video": ("video_grid_thw", ("pixel_values_videos",)),
-}
 
 
 class Encoder:
@@ -224,6 +215,8 @@ class Encoder:
         self._cache: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
         self.stats = CacheStats()
         self.hidden_size = towers.hidden_size
+        self.consumed = towers.family.replaced_by_encoded
+        """``preprocess``'s outputs whose place the encoders' outputs take (the rest go on to ``mm_llm``)."""
 
     def __call__(self, tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
@@ -235,13 +228,18 @@ class Encoder:
         return out
 
     def encoded(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
-        """``tensors`` (``preprocess``'s outputs) with the ``CONSUMED`` features replaced by the
+        """``tensors`` (``preprocess``'s outputs) with the ``consumed`` features replaced by the
         encoders' outputs: what ``mm_ensemble_encoded`` hands ``mm_llm``."""
-        return {**{name: value for name, value in tensors.items() if name not in CONSUMED}, **self(tensors)}
+        return {**{name: value for name, value in tensors.items() if name not in self.consumed}, **self(tensors)}
 
     # -- vision: rows of patches per item, by the grid -------------------------------------------
     def _vision(self, modality: str, tensors: Mapping[str, Any]) -> np.ndarray:
-        grid_name, pixel_names = _VISION[modality]
+        # The family's fields: the patches first, then the grid; a wire field may stand for the
+        # patches (uint8 ones, decoded for the items the cache misses).
+        spec = self.towers.family.modality(modality)
+        assert spec is not None, modality
+        patches, grid_name = spec.fields[0].name, spec.fields[1].name
+        pixel_names = (patches, *sorted(spec.wire_field_names & self.consumed))
         grid = np.asarray(tensors.get(grid_name, np.zeros((0, 3), np.int64))).reshape(-1, 3)
         pixel_name = next((n for n in pixel_names if numel(tensors.get(n))), None)
         if pixel_name is None or not len(grid):
@@ -330,18 +328,3 @@ def _key(modality: str, *arrays: np.ndarray) -> bytes:
 def _split(embeds: torch.Tensor, sizes: list[int]) -> list[np.ndarray]:
     rows = embeds.float().cpu().numpy()
     return np.split(rows, np.cumsum(sizes)[:-1])
-
-
-def encode(towers: Towers, tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Embeddings per modality of ``preprocess``'s decoded outputs (``Preprocessor.decode_wire``):
-    ``{"image": ..., "video": ..., "audio": ...}`` for the modalities present."""
-    from mmserve.families.base import numel
-
-    out = {}
-    if "image" in towers.modules and numel(tensors.get("image_grid_thw")):
-        out["image"] = towers.image(tensors["pixel_values"], tensors["image_grid_thw"])
-    if "video" in towers.modules and numel(tensors.get("video_grid_thw")):
-        out["video"] = towers.video(tensors["pixel_values_videos"], tensors["video_grid_thw"])
-    if "audio" in towers.modules and numel(tensors.get("feature_attention_mask")):
-        out["audio"] = towers.audio(tensors["input_features"], tensors["feature_attention_mask"])
-    return out

@@ -243,6 +243,18 @@ class FamilySpec:
             return encoded
         return self.modality(modality)
 
+    @property
+    def replaced_by_encoded(self) -> frozenset[str]:
+        """The feature fields (wire fields too) whose place the ``encoded`` forms' own fields take:
+        what an encoder consumes (``pixel_values``, ``pixel_values_uint8``, ``input_features``, ...)."""
+        replaced: set[str] = set()
+        for encoded in self.encoded:
+            features = self.modality(encoded.modality)
+            assert features is not None, encoded.modality
+            kept = encoded.field_names | encoded.wire_field_names
+            replaced |= (features.field_names | features.wire_field_names) - kept
+        return frozenset(replaced)
+
     def field_names(self, modality: str) -> frozenset[str]:
         """The fields of every form of ``modality``."""
         return frozenset().union(*(s.field_names for s in self.specs if s.modality == modality))

@@ -61,8 +61,12 @@ class EncodeService:
             if value is not None and value.size:
                 tensors[spec.name] = value
         outputs = {spec.name: empty_feature(spec) for spec in ENCODED_TENSORS}  # every output, as Triton wants
+        import torch
+
         try:
             outputs.update(self.encoder(tensors))
+        except torch.OutOfMemoryError:
+            raise  # the device's, not the request's: answered INTERNAL
         except (ValueError, IndexError, RuntimeError) as exc:
             # a shape the towers can't take (preprocess's own outputs always fit: a direct caller's)
             raise InputError(f"encode: the feature tensors do not fit the encoders ({exc})") from exc
