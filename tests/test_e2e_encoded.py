@@ -33,7 +33,9 @@ def server(references, tiny_models):
     if settings.TRITON_GRPC_URL.get():
         # the suite then starts no server of its own (README), and the external one may not serve
         # model_repository_encoder/: a known limit of that mode, not a failure
-        pytest.skip("MMSERVE_TRITON_GRPC_URL: the suite starts no server, and this module needs model_repository_encoder/")
+        pytest.skip(
+            "MMSERVE_TRITON_GRPC_URL: the suite starts no server, and this module needs model_repository_encoder/"
+        )
     env = {
         settings.MODEL.name: str(tiny_models["qwen2_5_omni"]),
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
