@@ -531,6 +531,10 @@ class LLMService:
             entry.timer = None
             if entry.scheduled or not entry.pending:
                 return
+            delay = entry.sent_at + entry.flush_s - time.monotonic() if entry.sent_at is not None else 0.0
+            if delay > 0:  # the previous send ended after the timer was set (it counts from there)
+                entry.timer = self.runner.loop.call_later(delay, self._release, entry, request)
+                return
             entry.scheduled = True
         self._outbox.put(functools.partial(self._drain, entry, request))
 
@@ -554,6 +558,9 @@ class LLMService:
             item()
         if merged is not None:
             _send_output(entry.sink, request, merged)
+        with entry.lock:
+            # the interval counts from the end of this send: a slow send can't bring the next closer
+            entry.sent_at = time.monotonic()
 
     # -- the watcher: cancellations and health -------------------------------------------------
     def _watch(self) -> None:
