@@ -4,7 +4,9 @@ metric API: what reaches tritonserver, in how many calls."""
 from __future__ import annotations
 
 import threading
+import time
 import types
+from collections.abc import Callable
 
 from mmserve.serving.metrics import StepStats, TritonMetrics
 
@@ -120,3 +122,29 @@ def test_steps_posted_while_an_update_runs_go_out_merged():
 
 def test_merged_of_one_step_is_that_step():
     assert StepStats.merged([STEP]) == STEP
+
+
+def test_a_busy_engine_updates_the_metrics_at_most_once_per_interval():
+    """Steps every few milliseconds (a busy engine): one update per ``interval_s``, the steps
+    between merged, nothing lost; ``close`` does not wait out the interval."""
+    metrics = TritonMetrics(_pb_utils(), {"model": "mm_llm", "version": "1"}, interval_s=60.0)
+    metrics.post(STEP)
+    assert _wait(lambda: _calls("vllm:num_requests_running") == [("set", 3)])
+    for running in range(10):
+        metrics.post(StepStats(running=running, waiting=0, generation_tokens=1))
+        time.sleep(0.005)
+    assert _calls("vllm:num_requests_running") == [("set", 3)]  # the rest wait for the interval
+    started = time.monotonic()
+    metrics.close()
+    assert time.monotonic() - started < 30  # not the interval's 60 s
+    assert _calls("vllm:num_requests_running") == [("set", 3), ("set", 9)]
+    assert _calls("vllm:generation_tokens_total") == [("increment", 3), ("increment", 10)]
+
+
+def _wait(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

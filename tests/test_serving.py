@@ -37,7 +37,7 @@ def test_preprocess_matches_the_hf_processor_on_decoded_media(preprocessor, omni
     assert out["input_ids"].tolist() == ref["input_ids"][0].tolist()
     # The patches travel as uint8, before the processor's rescale and normalize (a quarter of the
     # bytes); decoded as mm_llm decodes them they are the processor's own float32 values.
-    assert out["pixel_values"].size == 0 and out["pixel_values_uint8"].dtype == np.uint8
+    assert "pixel_values" not in out and out["pixel_values_uint8"].dtype == np.uint8
     assert out["pixel_values_uint8"].nbytes * 4 == ref["pixel_values"].numpy().nbytes
     decoded = preprocessor.decode_wire(out)
     assert "pixel_values_uint8" not in decoded
@@ -116,8 +116,7 @@ def test_audio_features_are_the_full_window_ones_on_the_valid_frames(preprocesso
 
 def test_preprocess_empty_modalities_and_pcm(preprocessor):
     out = preprocessor("Hi")
-    assert out["pixel_values"].shape[0] == out["pixel_values_uint8"].shape[0] == out["input_features"].shape[0] == 0
-    assert out["image_grid_thw"].shape == (0, 3)
+    assert list(out) == ["input_ids"]  # no feature tensor for a modality the request lacks
     wave = sample_audio(1, seconds=1.0, sample_rate=8000)
     resampled = preprocessor("Hi", pcm=[(wave, 8000)])
     direct = preprocessor("Hi", pcm=[(sample_audio(1, seconds=1.0), AUDIO_SAMPLE_RATE)])

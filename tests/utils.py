@@ -457,6 +457,15 @@ def metric(server: Endpoints, name: str) -> float:
     return metrics(server, name)[name]
 
 
+def settled_metrics(server: Endpoints, *names: str) -> dict[str, float]:
+    """``metrics`` once ``mm_llm`` has applied every step before this call (it updates its metrics
+    at most every ``UPDATE_INTERVAL_S``): a baseline to count from."""
+    from mmserve.serving.metrics import UPDATE_INTERVAL_S
+
+    time.sleep(3 * UPDATE_INTERVAL_S)
+    return metrics(server, *names)
+
+
 def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
     deadline = time.time() + timeout
     while not condition():
@@ -486,7 +495,7 @@ def start_held(
     every try lost, fail with the figures seen, each request's state and the server's log."""
     running, waiting, first_tokens, finished, _ = ENGINE_FIGURES
     for attempt in range(tries):
-        before = metrics(server, *ENGINE_FIGURES)
+        before = settled_metrics(server, *ENGINE_FIGURES)
         tracked = [
             Tracked(server, model, inputs, request_id if attempt == 0 else f"{request_id}-try{attempt}")
             for request_id, inputs in requests.items()
@@ -548,7 +557,7 @@ def generated_after_cancel(
 
     outcomes: list[tuple[float, float]] = []
     for _ in range(tries):
-        before = generated()
+        before = settled_metrics(server, "vllm:generation_tokens_total")["vllm:generation_tokens_total"]
         with start() as generation:
 
             def started(before: float = before) -> bool:

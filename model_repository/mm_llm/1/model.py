@@ -1,7 +1,7 @@
 """mm_llm: vLLM (V1 AsyncLLM) on already-processed multimodal tensors (Triton adapter, decoupled).
 
 Inputs : input_ids (INT64 [tokens], placeholders expanded); optional pixel_values, image_grid_thw,
-         input_features, feature_attention_mask (the HF processor's outputs, empty when absent),
+         input_features, feature_attention_mask (the HF processor's outputs; absent or empty: none),
          text_input (echoed unless exclude_input_in_output), stream, sampling_parameters (JSON),
          exclude_input_in_output and the return_* flags of Triton's vLLM backend.
          cancel (BYTES [1]): a control request: cancel the request whose Triton request id this

@@ -6,7 +6,7 @@ Inputs : text_input (BYTES [1], UTF-8), or messages (BYTES [1], a conversation a
          apply_chat_template (BOOL [1], default true; not false with messages), video (BYTES [n]),
          tools (BYTES [1], with messages: the function tools for the chat template, JSON).
 Outputs: input_ids (INT64 [tokens], placeholders expanded), pixel_values, image_grid_thw,
-         input_features, feature_attention_mask (empty when the request has no such media).
+         input_features, feature_attention_mask (only those of the media the request has).
 
 Parameters (config.pbtxt, all strings): ``engine_config`` (the engine's ``model.json``, relative to
 this model's folder: its ``model`` is the checkpoint whose processor runs here, so the checkpoint is

@@ -1,10 +1,10 @@
 """encode: preprocess's feature tensors -> the encoders' outputs (Triton adapter).
 
 Inputs : the feature tensors preprocess outputs (pixel_values_uint8 or pixel_values, image_grid_thw,
-         input_features, feature_attention_mask, pixel_values_videos, video_grid_thw; all optional,
-         empty when the request has no such media).
+         input_features, feature_attention_mask, pixel_values_videos, video_grid_thw; all optional:
+         only those of the media the request has).
 Outputs: image_embeds, video_embeds, audio_embeds (FP32 [rows, hidden]: one row per placeholder
-         token), audio_feature_lengths (INT64 [clips]); empty for a modality without items.
+         token), audio_feature_lengths (INT64 [clips]); none for a modality without items.
 
 Only the checkpoint's vision and audio towers are loaded (mmserve.encoder.Towers), on the
 ``device`` parameter; embeddings are cached per item (LRU, ``cache_bytes``), with

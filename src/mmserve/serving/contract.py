@@ -3,16 +3,17 @@ their side straight to ``mm_llm``): the HF processor's own names, native dtypes 
 
 The feature tensors are the union of the families' fields and wire fields (``mmserve.families``:
 e.g. ``pixel_values_uint8``, which ``preprocess`` sends in place of ``pixel_values``), so the
-families stay the one place that knows them. ``preprocess`` always outputs every feature tensor, empty (zero
-items) when the request has no media of that modality, so that one ensemble serves every family.
+families stay the one place that knows them. ``preprocess`` outputs only the feature tensors of the
+modalities a request has (a text request: ``input_ids`` alone), and ``encode`` only the embeddings it
+computed: Triton's ensemble hands the next step a missing output as an absent optional input (Triton
+>= 2.42, core#298), and every tensor left out is one less to allocate, copy and parse on each hop
+(``docs/PERFORMANCE.md``).
 The request and response tensors around them are in ``mmserve.wire`` (which the client imports
 without torch); ``MM_LLM_INPUTS`` puts the two together. ``tests/test_serving.py`` checks the model
 repository's config.pbtxt files against this module.
 """
 
 from __future__ import annotations
-
-import numpy as np
 
 from mmserve.families import FAMILIES, FieldSpec
 from mmserve.wire import CANCEL, DRAIN, GENERATION_INPUTS, TEXT_INPUT
@@ -44,11 +45,6 @@ FEATURE_TENSORS: tuple[FieldSpec, ...] = _tensors(encoded=False)
 ENCODED_TENSORS: tuple[FieldSpec, ...] = _tensors(encoded=True)
 """The encoders' outputs that ``mm_llm`` takes in place of some of ``FEATURE_TENSORS`` (the
 families' ``encoded`` forms: ``image_embeds``, ...), which the ``encode`` model outputs."""
-
-
-def empty_feature(spec: FieldSpec) -> np.ndarray:
-    """A zero-item tensor of ``spec``: variable dims 0, fixed dims kept."""
-    return np.zeros(tuple(max(d, 0) for d in spec.triton_dims), dtype=spec.dtype)
 
 
 MM_LLM_INPUTS: tuple[FieldSpec, ...] = (

@@ -19,7 +19,7 @@ import numpy as np
 
 from mmserve.encoder import MODALITIES, Encoder, Towers
 from mmserve.errors import InputError
-from mmserve.serving.contract import ENCODED_TENSORS, FEATURE_TENSORS, empty_feature
+from mmserve.serving.contract import FEATURE_TENSORS
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -60,17 +60,16 @@ class EncodeService:
             value = get(spec.name)
             if value is not None and value.size:
                 tensors[spec.name] = value
-        outputs = {spec.name: empty_feature(spec) for spec in ENCODED_TENSORS}  # every output, as Triton wants
         import torch
 
         try:
-            outputs.update(self.encoder(tensors))
+            outputs = self.encoder(tensors)
         except torch.OutOfMemoryError:
             raise  # the device's, not the request's: answered INTERNAL
         except (ValueError, IndexError, RuntimeError) as exc:
             # a shape the towers can't take (preprocess's own outputs always fit: a direct caller's)
             raise InputError(f"encode: the feature tensors do not fit the encoders ({exc})") from exc
-        return outputs
+        return {name: value for name, value in outputs.items() if value.size}  # none for no items
 
     def stats_delta(self) -> dict[str, tuple[int, int]]:
         """Per modality, (hits, misses) since the last call."""

@@ -3,8 +3,9 @@ Triton's vLLM backend uses, labelled by model and version.
 
 vLLM calls its stat loggers on the engine's event loop after every step, and each metric update is a
 blocking round trip to tritonserver: ``TritonStatLogger`` only reads the figures there; the
-updates run on the metrics' own ``Outbox`` thread, the steps that queued up meanwhile merged into one
-update of each counter and gauge. A histogram takes one call per value, so the per-token histogram
+updates run on the metrics' own ``Outbox`` thread, at most one every ``UPDATE_INTERVAL_S`` (a busy
+engine runs a hundred steps a second and more, each worth three calls), the steps that queued up
+meanwhile merged into one update of each counter and gauge. A histogram takes one call per value, so the per-token histogram
 (``vllm:time_per_output_token_seconds``, 32 calls for a 32-token request) is opt-in
 (``report_inter_token_latency``); the per-request one (``vllm:request_time_per_output_token_seconds``,
 vLLM's name) costs one call per request (docs/PERFORMANCE.md).
@@ -24,6 +25,9 @@ from mmserve.vllm_seam import StatLoggerBase, VllmConfig
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
 TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+
+UPDATE_INTERVAL_S = 0.1
+"""The shortest time between two updates of the metrics: far below any scrape interval."""
 
 
 @dataclass(frozen=True)
@@ -81,12 +85,22 @@ class TritonMetrics:
     Args:
         inter_token_latency: also the per-token histogram ``vllm:time_per_output_token_seconds``
             (one call into tritonserver per generated token).
+        interval_s: the shortest time between two updates (the steps posted meanwhile wait, merged).
     """
 
-    def __init__(self, pb_utils: Any, labels: dict[str, str], *, inter_token_latency: bool = False) -> None:
+    def __init__(
+        self,
+        pb_utils: Any,
+        labels: dict[str, str],
+        *,
+        inter_token_latency: bool = False,
+        interval_s: float = UPDATE_INTERVAL_S,
+    ) -> None:
         self._outbox = Outbox("mmserve-metrics")
         self._steps: list[StepStats] = []  # posted, not yet applied
         self._steps_lock = threading.Lock()
+        self._interval_s = interval_s
+        self._closing = threading.Event()  # cuts the pause after an update short
         family = pb_utils.MetricFamily
         # A MetricFamily must outlive its Metric objects (Triton refuses updates otherwise).
         self._families: list[Any] = []
@@ -144,6 +158,9 @@ class TritonMetrics:
         with self._steps_lock:
             steps, self._steps = self._steps, []
         self.apply(StepStats.merged(steps))
+        # The outbox's thread waits before its next update: the steps posted meanwhile queue one
+        # update and join it (``post``).
+        self._closing.wait(self._interval_s)
 
     def apply(self, stats: StepStats) -> None:
         if stats.running is not None:  # every update: a gauge Triton recreated (model reload) is set again
@@ -168,6 +185,7 @@ class TritonMetrics:
     def close(self) -> None:
         """Apply what is queued, then release the metrics and their families while the stub can
         still talk to Triton (left to interpreter teardown, the families' destructors crash the stub)."""
+        self._closing.set()
         self._outbox.close()
         for name in [n for n in vars(self) if not n.startswith("_")]:
             delattr(self, name)

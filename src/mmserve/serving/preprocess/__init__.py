@@ -3,8 +3,8 @@
 Contract
 --------
 ``Preprocessor(model)(text, images, audios, pcm, apply_chat_template=True, messages=None, videos=())`` returns
-``input_ids`` (chat template applied, every media placeholder expanded) and every feature tensor of
-``mmserve.serving.contract``, as numpy arrays; a modality without media gives a zero-item tensor.
+``input_ids`` (chat template applied, every media placeholder expanded) and the feature tensors of
+``mmserve.serving.contract`` of the modalities the request has, as numpy arrays.
 
 * ``text``: the prompt, ``str`` or UTF-8 ``bytes`` (what Triton's BYTES tensors hold). With
   ``apply_chat_template`` (the default) it is the user's message: one user turn holds the images,

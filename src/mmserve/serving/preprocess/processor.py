@@ -22,7 +22,7 @@ import numpy as np
 from mmserve.families.base import WireDecoder
 from mmserve.inputs import family_of_checkpoint
 from mmserve.passthrough.placeholders import placeholder_runs
-from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS, empty_feature
+from mmserve.serving.contract import FEATURE_TENSORS, INPUT_IDS
 from mmserve.serving.preprocess.escaping import CONTROL_TOKEN_POLICIES, ControlTokenPolicy, ControlTokens, Run
 from mmserve.serving.preprocess.limits import PreprocessError, PreprocessLimits
 from mmserve.serving.preprocess.media import Clip, MediaDecoder, Video
@@ -485,8 +485,9 @@ class Preprocessor:
         return self.family.decode_wire(outputs, self._wire_decoders)
 
     def _features(self, processed: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Every feature tensor of the contract, in the family's compact form (``compact``: no
-        padding the model never reads, wire fields where it has them); float ones checked finite."""
+        """The feature tensors of the modalities the request has (none of the others: see
+        ``mmserve.serving.contract``), in the family's compact form (``compact``: no padding the
+        model never reads, wire fields where it has them); float ones checked finite."""
         processed = dict(processed)
         for modality in self.family.modalities:
             present = {name: processed.pop(name) for name in modality.field_names if processed.get(name) is not None}
@@ -495,7 +496,9 @@ class Preprocessor:
         outputs = {}
         for spec in FEATURE_TENSORS:
             value = processed.get(spec.name)
-            array = empty_feature(spec) if value is None else np.ascontiguousarray(value, dtype=spec.dtype)
+            if value is None:
+                continue
+            array = np.ascontiguousarray(value, dtype=spec.dtype)
             if spec.is_float and not np.isfinite(array).all():
                 bad = int(np.count_nonzero(~np.isfinite(array)))
                 raise PreprocessError(
