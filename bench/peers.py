@@ -452,6 +452,7 @@ class Run:
     outcomes: list[Outcome]
     server_cpu_s: float | None = None  # CPU time of the system's serving processes during the run
     server_cpu_by_process: dict[str, float] = field(default_factory=dict)  # the same, by process_kind
+    client_cpu_s: float = 0.0  # CPU time of the benchmark's own process during the run
 
 
 @dataclass(frozen=True)
@@ -470,6 +471,7 @@ class Stats:
     responses_per_request: float
     server_cpu_ms: float  # per request; NaN: not measured (in-process)
     server_cpu_by_process_ms: dict[str, float] = field(default_factory=dict)  # per request, by process_kind
+    client_cpu_ms: float = float("nan")  # per request: the benchmark process's (see CLIENT_CPU)
 
     @classmethod
     def of(cls, runs: Sequence[Run]) -> Stats:
@@ -497,6 +499,7 @@ class Stats:
                 kind: sum(run.server_cpu_by_process.get(kind, 0.0) for run in runs) / len(outcomes) * 1e3
                 for kind in kinds
             },
+            client_cpu_ms=sum(run.client_cpu_s for run in runs) / len(outcomes) * 1e3,
         )
 
 
@@ -930,7 +933,7 @@ def progress_line(run: Run) -> str:
         f"  {run.workload:<11} c={run.concurrency:<3} round {run.round}  {run.system:<13} "
         f"{stats.requests:3d} requests {run.wall_s:6.2f} s {stats.requests_s:7.2f} req/s  "
         f"TTFT p50 {stats.ttft_p50_ms:6.0f} ms  latency p50 {stats.latency_p50_ms:6.0f} ms  "
-        f"server CPU {stats.server_cpu_ms:5.1f} ms/req"
+        f"server CPU {stats.server_cpu_ms:5.1f} ms/req  client CPU {stats.client_cpu_ms:5.1f} ms/req"
     )
 
 
@@ -942,7 +945,9 @@ async def measure(systems: Sequence[System], settings: Settings) -> list[Run]:
             await asyncio.sleep(settings.settle_s)
             processes = system.serving() if system.serving else None
             before = cpu_seconds_by_kind(processes) if processes is not None else {}
+            client_before = time.process_time()
             wall, outcomes = await system.on_own_loop(run_requests(system, requests, cell.concurrency))
+            client_s = time.process_time() - client_before
             after = cpu_seconds_by_kind(processes) if processes is not None else {}
             used = {kind: seconds - before.get(kind, 0.0) for kind, seconds in after.items()}
             runs.append(
@@ -955,6 +960,7 @@ async def measure(systems: Sequence[System], settings: Settings) -> list[Run]:
                     outcomes,
                     sum(used.values()) if processes is not None else None,
                     used,
+                    client_s,
                 )
             )
             print(progress_line(runs[-1]), flush=True)
@@ -1101,9 +1107,9 @@ def results_table(workload: str, stats: Mapping[tuple[str, int, str], Stats], se
     head = (
         "| concurrency | system | req/s | req/s vs vllm-serve | TTFT p50 (ms) | TTFT p50 − vllm-serve (ms) "
         "| TTFT p95 (ms) | latency p50 (ms) | responses/request | interval p50 / p99 (ms) "
-        "| server CPU (ms/request) | req/s vs in-process |"
+        "| server CPU (ms/request) | client CPU (ms/request) | req/s vs in-process |"
     )
-    lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for level in settings.concurrency:
         vllm = stats.get((workload, level, VLLM_SERVE))
         lower = stats.get((workload, level, IN_PROCESS))
@@ -1114,7 +1120,7 @@ def results_table(workload: str, stats: Mapping[tuple[str, int, str], Stats], se
                 f"{s.ttft_p50_ms:.0f} | {_difference_ms(s.ttft_p50_ms, vllm.ttft_p50_ms if vllm else None)} | "
                 f"{s.ttft_p95_ms:.0f} | {s.latency_p50_ms:.0f} | {s.responses_per_request:.1f} | "
                 f"{_ms(s.interval_p50_ms)} / {_ms(s.interval_p99_ms)} | {_ms(s.server_cpu_ms)} | "
-                f"{_ratio(s.requests_s, lower.requests_s if lower else None)} |"
+                f"{_ms(s.client_cpu_ms)} | {_ratio(s.requests_s, lower.requests_s if lower else None)} |"
             )
     return "\n".join(lines)
 
@@ -1294,6 +1300,9 @@ stream's client gets: responses per request, and the time between two of them (t
 excluded). *server CPU* is the CPU time of a system's serving processes per request, vLLM's engine
 core and workers excluded: tritonserver and its stubs (and the gateway) for the Triton systems; the
 API server (and the rendering server) for vLLM's; the cost that stays on a GPU node beside the GPU.
+*client CPU* is the benchmark process's own CPU time per request: the client's side of the
+protocol (for `mm_llm-direct` also the preprocessing; for `in-process` vLLM's front end too). On
+this machine the clients share the cores with the servers, so a heavier client slows its system.
 With the shipped caches (`model.json` as users run it: prefix caching on) each system gets requests
 of its own of the same kind, since the Triton systems share one engine; `--caches off` turns the
 prefix, processor and encoder caches off and sends every system the same requests. On a small

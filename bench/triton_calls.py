@@ -29,6 +29,7 @@ KINDS = (
     "observe",
     "set",
     "increment",
+    "build_text_ids",
     "send_text",
     "send_text_ids",
     "send_text_ids_reason",
@@ -80,6 +81,8 @@ class TritonPythonModel:
                 "observe": lambda: self.histogram.observe(0.005),
                 "set": lambda: self.gauge.set(3),
                 "increment": lambda: self.counter.increment(1),
+                "build_text_ids": lambda: pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor("text_output", text), pb_utils.Tensor("output_ids", ids)]),
                 "send_text": lambda: sender.send(pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor("text_output", text)])),
                 "send_text_ids": lambda: sender.send(pb_utils.InferenceResponse(

@@ -55,7 +55,7 @@ EARLY_CANCEL_S = 60.0
 """How long a cancel for a request id not in flight (yet) is remembered (``LLMService.cancel``)."""
 MAX_EARLY_CANCELS = 4096
 
-STREAM_FLUSH_MS = 20.0
+STREAM_FLUSH_MS = 50.0
 """A stream's shortest interval between two responses after its first (``mm_llm``'s
 ``stream_flush_ms`` parameter; per request in ``sampling_parameters``): the deltas of a busy
 engine's steps travel as one response (docs/PERFORMANCE.md). 0: a response per engine output."""
