@@ -5,10 +5,11 @@ vLLM calls its stat loggers on the engine's event loop after every step, and eac
 blocking round trip to tritonserver: ``TritonStatLogger`` only reads the figures there; the
 updates run on the metrics' own ``Outbox`` thread, at most one every ``UPDATE_INTERVAL_S`` (a busy
 engine runs a hundred steps a second and more, each worth three calls), the steps that queued up
-meanwhile merged into one update of each counter and gauge. A histogram takes one call per value, so the per-token histogram
-(``vllm:time_per_output_token_seconds``, 32 calls for a 32-token request) is opt-in
-(``report_inter_token_latency``); the per-request one (``vllm:request_time_per_output_token_seconds``,
-vLLM's name) costs one call per request (docs/PERFORMANCE.md).
+meanwhile merged into one update of each counter and gauge. A histogram takes one call per value,
+so the per-token histogram (``vllm:time_per_output_token_seconds``, 32 calls for a 32-token
+request) is opt-in (``report_inter_token_latency``); the per-request one
+(``vllm:request_time_per_output_token_seconds``, vLLM's name) costs one call per request
+(docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
