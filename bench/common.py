@@ -22,6 +22,9 @@ import numpy as np
 SERVED_MODEL_NAME = "mm"
 START_TIMEOUT_S = 900.0
 STOP_GRACE_S = 20.0
+SETTLE_S = 1.2
+"""Pause before each measured run: after its last step a vLLM worker busy-polls for 1 s (vLLM's shm
+message queue), which on a small machine would take a core from the next system's first requests."""
 
 
 def percentile_ms(values: Sequence[float], q: float) -> float:

@@ -99,6 +99,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 from common import (
     SERVED_MODEL_NAME,
+    SETTLE_S,
     START_TIMEOUT_S,
     VllmServer,
     cpu_seconds_by_kind,
@@ -174,9 +175,6 @@ UVICORN_KEEP_ALIVE_S = 5.0
 """How long vLLM's API server (uvicorn's default) keeps an idle connection open."""
 GPU_MEMORY_FRACTION = 0.9
 """Of the GPU's memory, shared equally by the engines (when ``gpu_memory_utilization`` isn't given)."""
-SETTLE_S = 1.2
-"""Pause before each run: after its last step a vLLM worker busy-polls for 1 s (vLLM's shm message
-queue), which on a small machine would take a core from the next system's first requests."""
 REQUEST_TIMEOUT_S = 120.0
 """A request not finished by then failed (a stuck system must not stall the benchmark)."""
 
@@ -471,7 +469,7 @@ class Stats:
     responses_per_request: float
     server_cpu_ms: float  # per request; NaN: not measured (in-process)
     server_cpu_by_process_ms: dict[str, float] = field(default_factory=dict)  # per request, by process_kind
-    client_cpu_ms: float = float("nan")  # per request: the benchmark process's (see CLIENT_CPU)
+    client_cpu_ms: float = float("nan")  # per request: the benchmark process's own CPU time
 
     @classmethod
     def of(cls, runs: Sequence[Run]) -> Stats:

@@ -31,13 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import cpu_seconds_by_kind, percentile_ms, serving_processes
+from common import SETTLE_S, cpu_seconds_by_kind, percentile_ms, serving_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("mm_ensemble", "vllm_backend")
 WORKLOADS = ("text", "image")
-SETTLE_S = 1.2
-"""Pause before each run (a vLLM worker busy-polls for 1 s after its last step)."""
 
 PATCHES: tuple[tuple[str, str, str], ...] = (
     (
