@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mmserve import wire
+from mmserve.gateway import app as app_module
 from mmserve.gateway import convert, errors, protocol
 from mmserve.gateway.app import GatewayConfig, create_app
 from mmserve.gateway.triton import Delta, delta_from
@@ -1051,6 +1052,35 @@ def test_error_after_the_first_token_is_an_error_event(gateway):
     stream = client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")], stream=True)
     with pytest.raises(openai.APIError, match="the engine died"):
         list(stream)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        json.dumps({"model": "m", "messages": [user("Hi \u00e9 \ud83d\ude00")], "temperature": 0.7, "seed": 2**70}),
+        b'{"a": 1, "a": 2, "b": [1.5e-7, -0.0, 1E+3, true, false, null], "c": {"d": "\\u00e9\\n"}}',
+        b'  {"temperature": NaN, "top_p": Infinity}  ',  # json.loads takes these; msgspec does not
+        b'{"top_p": 1e400}',  # inf for json.loads; out of range for msgspec
+        b'\xef\xbb\xbf{"a": 1}',  # a byte-order mark
+        b'{"a": "\\ud800"}',  # a lone surrogate
+        b"[" * 900 + b"]" * 900,
+    ],
+)
+def test_a_body_reads_as_json_loads_reads_it(raw):
+    body = raw.encode() if isinstance(raw, str) else raw
+    expected = json.loads(body)
+    assert repr(app_module._decode_json(body)) == repr(expected)
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b'{"a": 1', b'{"a": "x\x01"}', b'{"a": "\xff"}', b"[" * 100_000, b""])
+def test_a_body_that_is_not_json_is_refused_with_json_loads_reason(raw):
+    with pytest.raises((ValueError, RecursionError)) as reference:
+        json.loads(raw)
+    with pytest.raises(errors.APIError) as info:
+        app_module._decode_json(raw)
+    error = info.value
+    assert error.status == 400 and error.code == "invalid_json"
+    assert error.message == f"the request body is not valid JSON ({reference.value})"
 
 
 def test_http_answers(gateway):
