@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from utils import ENGINE_ARGS
+from utils import ENGINE_ARGS, make_request
 
 if TYPE_CHECKING:
     from mmserve.errors import ServiceError
@@ -144,6 +144,40 @@ def test_streamed_deltas_are_the_reference_tokens(service, omni_workload):
     assert sum(int(r["num_output_tokens"][0]) for r in sink.responses) == len(reference)
     # The engine's loop never blocks on Triton: responses and cancellation checks run elsewhere.
     assert sink.threads and service.runner._thread.name not in sink.threads, sink.threads
+
+
+def test_wire_images_are_cached_by_their_own_identities(service, omni_reference):
+    """Two requests with the same prompt ids and different images, sent as ``preprocess`` sends them
+    (uint8 patches, their identities given to vLLM as ``multi_modal_uuids``), one after the other:
+    each gets its own HF reference, so the first's cached prefix and encoder output never serve the
+    second; the first again gets its reference from the caches."""
+    from mmserve.serving.llm import parse_request
+
+    def wire(request):
+        raw = omni_reference.processor(
+            text=request.text, images=request.images, return_tensors="np", do_rescale=False, do_normalize=False
+        )
+        assert raw["pixel_values"].dtype == np.uint8
+        params = {"max_tokens": 12, "temperature": 0}
+        tensors = {
+            "input_ids": raw["input_ids"][0],
+            "pixel_values_uint8": raw["pixel_values"],
+            "image_grid_thw": raw["image_grid_thw"],
+            "sampling_parameters": np.array([json.dumps(params).encode()], dtype=object),
+        }
+        parsed = parse_request(service.family, tensors.get, wire_decoders=service.wire_decoders)
+        assert len(parsed.prompt["multi_modal_uuids"]["image"]) == 1
+        return parsed
+
+    a = make_request(omni_reference, "a", ["image"], seed=7)
+    b = make_request(omni_reference, "b", ["image"], seed=8)
+    assert a.hf_inputs["input_ids"].tolist() == b.hf_inputs["input_ids"].tolist()
+    references = [omni_reference.generate(r.text, r.images, r.audios, max_new_tokens=12) for r in (a, b)]
+    assert references[0] != references[1], "test images must lead to different outputs"
+    for index, request in enumerate((a, b, a)):
+        sink = RecordingSink()
+        _run(service, wire(request), sink, f"wire-{index}")
+        assert not sink.errors and sink.output_ids() == references[index % 2], request.name
 
 
 def test_deltas_queued_behind_a_slow_sender_go_out_merged(service, omni_workload):

@@ -89,6 +89,45 @@ def test_uint8_patches_decode_to_the_processors_own_values(tiny_models, family):
         np.testing.assert_array_equal(decoded["image_grid_thw"], reference["image_grid_thw"])
 
 
+def test_wire_images_carry_an_identity_per_image(tiny_models):
+    """Images as ``preprocess`` sends them (``pixel_values_uint8``) get an identity per image, which
+    vLLM takes for the item's hash (``multi_modal_uuids``): the same for an image alone, first or
+    second beside another (an earlier turn's image is a cache hit), different for images that differ
+    in one value; none where the grid does not split the patches (the decoded fields' checks refuse
+    it) and none for float ``pixel_values`` (vLLM hashes those itself)."""
+    from transformers import AutoImageProcessor
+
+    from mmserve.families import get_family
+
+    family = get_family("qwen2_5_omni")
+    processor = AutoImageProcessor.from_pretrained(tiny_models["qwen2_5_omni"])
+    decoders = family.wire_decoders(tiny_models["qwen2_5_omni"])
+    a, b = sample_image(1, size=(112, 84)), sample_image(2, size=(140, 84))
+
+    def wire(images):
+        raw = processor(images=images, return_tensors="np", do_rescale=False, do_normalize=False)
+        return {"pixel_values_uint8": raw["pixel_values"], "image_grid_thw": raw["image_grid_thw"]}
+
+    def ids_of(tensors):
+        item_ids: dict[str, list[str]] = {}
+        decoded = family.decode_wire(tensors, decoders, item_ids=item_ids)
+        return decoded, item_ids.get("image")
+
+    decoded, ab = ids_of(wire([a, b]))
+    assert ab is not None and len(set(ab)) == 2
+    assert ids_of(wire([b, a]))[1] == ab[::-1]
+    assert ids_of(wire([a]))[1] == ab[:1] and ids_of(wire([b]))[1] == ab[1:]
+    changed = wire([a])
+    changed["pixel_values_uint8"] = changed["pixel_values_uint8"].copy()
+    changed["pixel_values_uint8"][-1, -1] ^= 1
+    assert ids_of(changed)[1] not in (None, ab[:1])
+    unsplittable = wire([a, b])
+    rows = int(np.prod(unsplittable["image_grid_thw"], axis=1).sum())
+    unsplittable["image_grid_thw"] = np.array([[1, 0, 0], [1, 1, rows]])  # the rows add up, an image has none
+    assert ids_of(unsplittable)[1] is None
+    assert ids_of(decoded)[1] is None  # float pixel_values
+
+
 def test_audio_features_are_the_full_window_ones_on_the_valid_frames(preprocessor, omni_reference):
     """preprocess pads clips just past the longest one (not to the 30-s window) and cuts the
     padding: every valid frame must still be bit-identical to the processor's default output, for

@@ -99,8 +99,16 @@ def processed_multi_modal_data(family: FamilySpec, tensors: Mapping[str, Any]) -
     return data
 
 
-def processed_prompt(family: FamilySpec, input_ids: Sequence[int] | Any, tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """A vLLM ``TokensPrompt`` for expanded ``input_ids`` and the processor's feature tensors."""
+def processed_prompt(
+    family: FamilySpec,
+    input_ids: Sequence[int] | Any,
+    tensors: Mapping[str, Any],
+    *,
+    item_ids: Mapping[str, list[str]] | None = None,
+) -> dict[str, Any]:
+    """A vLLM ``TokensPrompt`` for expanded ``input_ids`` and the processor's feature tensors;
+    ``item_ids`` (per modality, an identity per item: ``FamilySpec.decode_wire``) become its
+    ``multi_modal_uuids``, which vLLM takes for the items' hashes."""
     ids = input_ids.tolist() if hasattr(input_ids, "tolist") else list(input_ids)
     if ids and isinstance(ids[0], list):  # a batch of one, as HF processors return it
         if len(ids) != 1:
@@ -110,4 +118,6 @@ def processed_prompt(family: FamilySpec, input_ids: Sequence[int] | Any, tensors
     mm_data = processed_multi_modal_data(family, tensors)
     if mm_data:
         prompt["multi_modal_data"] = mm_data
+        if uuids := {modality: list(ids) for modality, ids in (item_ids or {}).items() if modality in mm_data}:
+            prompt["multi_modal_uuids"] = uuids
     return prompt

@@ -83,6 +83,16 @@ class ModalitySpec(ABC):
         decode."""
         return None
 
+    def wire_item_ids(self, tensors: Mapping[str, np.ndarray]) -> list[str] | None:
+        """A content identity per item of a request's wire tensors (``tensors``: the modality's, as
+        its ``wire_decoder`` took them without complaint), or None: vLLM hashes each decoded item.
+
+        Given to vLLM as the items' ``multi_modal_uuids``, an identity stands for the item's hash in
+        the prefix cache, the encoder cache and the processor cache: it must differ whenever the
+        item's decoded tensors differ, and be the same for the same item in any request, alone or
+        beside others (an image of an earlier turn is a cache hit)."""
+        return None
+
     def check_fields(self, data: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Presence, type, dtype kind and rank of every field; returns the fields as tensors."""
         unknown = sorted(set(data) - self.field_names)
@@ -264,11 +274,18 @@ class FamilySpec:
         decoders = {m.modality: m.wire_decoder(model) for m in self.modalities}
         return {modality: decoder for modality, decoder in decoders.items() if decoder is not None}
 
-    def decode_wire(self, tensors: Mapping[str, Any], decoders: Mapping[str, WireDecoder]) -> dict[str, Any]:
+    def decode_wire(
+        self,
+        tensors: Mapping[str, Any],
+        decoders: Mapping[str, WireDecoder],
+        *,
+        item_ids: dict[str, list[str]] | None = None,
+    ) -> dict[str, Any]:
         """``tensors`` (a request's, or ``preprocess``'s outputs) with the wire fields turned back
         into the fields they stand for (``decoders``: ``wire_decoders``): what the HF processor
         itself outputs. Empty wire fields are dropped, and so are a modality's empty tensors where
-        its wire fields are not."""
+        its wire fields are not. ``item_ids``, if given, gets per decoded modality the identities
+        of its items (``ModalitySpec.wire_item_ids``), where the modality has them."""
         out = dict(tensors)
         for modality in self.modalities:
             wire = {name: out.pop(name) for name in modality.wire_field_names if name in out}
@@ -285,6 +302,8 @@ class FamilySpec:
             own = {name: out.pop(name) for name in modality.field_names if name in out}
             own = {name: value for name, value in {**own, **wire}.items() if numel(value)}
             out.update(decoder(own))
+            if item_ids is not None and (ids := modality.wire_item_ids(own)) is not None:
+                item_ids[modality.modality] = ids
         return out
 
     @property

@@ -70,6 +70,18 @@ class PatchNormalization:
         return values.reshape(rows, self.patch_dim)
 
 
+def _content_id(kind: str, *arrays: np.ndarray) -> str:
+    """An identity of ``arrays``' dtypes, shapes and bytes, apart from vLLM's own hashes (hex)."""
+    from blake3 import blake3  # a vLLM dependency: only mm_llm calls this
+
+    hasher = blake3()
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        hasher.update(f"{array.dtype.str}{array.shape};".encode())
+        hasher.update(array.reshape(-1).view(np.uint8).data)
+    return f"mmserve:{kind}:{hasher.hexdigest()}"
+
+
 def _check_patch_rows(field: str, rows: int, grid: Any, modality: str = "image") -> None:
     """``rows`` patches are what the ``{modality}_grid_thw`` (``grid``) says: the sum of t*h*w."""
     expected = int(grid.prod(-1).sum())
@@ -214,6 +226,20 @@ class QwenVisionImage(ModalitySpec):
             return out
 
         return decode
+
+    def wire_item_ids(self, tensors: Mapping[str, np.ndarray]) -> list[str] | None:
+        """blake3 of each image's uint8 patches and grid: what its float32 ``pixel_values`` are made
+        from (for the checkpoint's fixed normalization), a quarter of their bytes to hash (0.4 ms for
+        a 448x448 image where vLLM's hash of the decoded item takes 1.3)."""
+        patches, grid = tensors.get("pixel_values_uint8"), tensors.get("image_grid_thw")
+        if patches is None or grid is None or grid.ndim != 2 or grid.shape[1] != 3:
+            return None
+        rows = grid.astype(np.int64).prod(-1)
+        if (rows <= 0).any() or int(rows.sum()) != patches.shape[0]:
+            return None  # refused by the checks of the decoded fields, with their message
+        return [
+            _content_id("image-uint8", grid[i], part) for i, part in enumerate(np.split(patches, np.cumsum(rows)[:-1]))
+        ]
 
     def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
         self.validate_layout(data, hf_config, patches="pixel_values")

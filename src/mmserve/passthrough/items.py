@@ -21,7 +21,8 @@ class ProcessedItems(DictEmbeddingItems):
     ``fields_config`` the fields factory. The tensors go to the model as they are
     (``get_passthrough_data``); nothing reaches the HF processor (``get_processor_data`` is empty).
     Each item is hashed by its own tensors' content, so the prefix cache and the encoder cache
-    never mix two requests with different pixels or audio.
+    never mix two requests with different pixels or audio (an item that came in a wire form comes
+    with an identity of that form instead, its ``multi_modal_uuids``: ``ModalitySpec.wire_item_ids``).
     """
 
     def __init__(self, data: Mapping[str, Any], spec: ModalitySpec, hf_config: PretrainedConfig) -> None:

@@ -10,7 +10,8 @@ For a request whose multimodal data are processed dicts (``{"pixel_values": ...,
    names onto the model's kwargs, e.g. Omni's ``input_features`` -> ``input_audio_features``);
 3. never expands the prompt: it locates each item's placeholder run and checks its length against
    the count the item's tensors imply;
-4. hashes each item by content (vLLM's hasher over the item's tensors).
+4. hashes each item by content (vLLM's hasher over the item's tensors; ``mm_llm`` gives the items
+   that came in a wire form an identity of that form instead: ``ModalitySpec.wire_item_ids``).
 
 Requests with raw media (PIL images, waveforms) take vLLM's normal path unchanged, so one
 deployment serves both. A request may not mix the two.

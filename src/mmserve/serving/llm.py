@@ -156,7 +156,8 @@ def parse_request(
                 f"{spec.name}: the {family.name} model takes no such input (it takes {sorted(accepted)})"
             )
         features[spec.name] = value
-    features = family.decode_wire(features, wire_decoders)
+    item_ids: dict[str, list[str]] = {}  # the wire items' identities: vLLM hashes no decoded item
+    features = family.decode_wire(features, wire_decoders, item_ids=item_ids)
 
     flags = {}
     for name in FLAG_INPUTS:
@@ -174,7 +175,7 @@ def parse_request(
             "request fewer output tokens"
         )
     return GenerateRequest(
-        prompt=processed_prompt(family, ids, features),
+        prompt=processed_prompt(family, ids, features, item_ids=item_ids),
         sampling_params=sampling.params,
         flags=flags,
         text_input=first_string(get("text_input"), "text_input"),
