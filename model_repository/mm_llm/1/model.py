@@ -35,6 +35,7 @@ from mmserve.serving.embedded import finish_stub, freeze_startup_heap, prepare_s
 
 use_utf8_locale()  # first: before torch or vLLM read a file (see its docstring)
 
+from mmserve import vllm_seam
 from mmserve.errors import UnavailableError
 from mmserve.serving.llm import STOPPING, STREAM_FLUSH_MS, HealthConfig, LLMConfig, LLMService, parse_request
 from mmserve.serving.metrics import TritonMetrics, TritonStatLogger
@@ -68,6 +69,7 @@ class TritonPythonModel:
             config, stat_loggers=[stat_logger], health=health, on_failure=self._unload, stream_flush_ms=flush_ms
         )
         self.family = self.service.family
+        vllm_seam.cache_vllm_envs()
         freeze_startup_heap()
 
     def _kill_engine(self):
