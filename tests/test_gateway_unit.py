@@ -403,6 +403,10 @@ def test_media_sources():
     wrapped = b64(PNG)
     wrapped = "\n".join(wrapped[i : i + 76] for i in range(0, len(wrapped), 76))  # MIME-style lines
     assert convert.b64decode(wrapped, "p", "x") == PNG
+    assert convert.data_url_bytes("data:image/png;base64," + wrapped, "p") == PNG  # a view of the URL's bytes
+    assert convert.data_url_bytes("data:image/png;BASE64," + b64(b"a,b"), "p") == b"a,b"  # the first comma
+    with pytest.raises(errors.APIError, match=r"p: malformed data URL \(no ',' before the data\)"):
+        convert.data_url_bytes("data:image/png;base64", "p")
     for bad in ("QUJD!", "QUJ", "QUJDé", "QU JD="):  # stray symbol, short, non-ASCII, padding inside
         with pytest.raises(errors.APIError, match="p: x is not valid base64"):
             convert.b64decode(bad, "p", "x")

@@ -23,14 +23,14 @@ def is_data_url(value: str | bytes | bytearray | memoryview) -> bool:
     return (head if isinstance(head, str) else bytes(head).decode("latin-1")).lower() == "data:"
 
 
-def b64decode(data: str | bytes, what: str = "the data") -> bytes:
+def b64decode(data: str | bytes | memoryview, what: str = "the data") -> bytes:
     """Strict base64 (whitespace allowed) -> the bytes; ``DataURLError`` when malformed or empty."""
     try:
         raw = pybase64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):  # whitespace fails validation: drop it, then try once more
         try:
             raw = pybase64.b64decode(
-                data.translate(None, b" \t\r\n\v\f") if isinstance(data, bytes) else "".join(data.split()),
+                "".join(data.split()) if isinstance(data, str) else bytes(data).translate(None, b" \t\r\n\v\f"),
                 validate=True,
             )
         except (binascii.Error, ValueError):
@@ -43,9 +43,9 @@ def b64decode(data: str | bytes, what: str = "the data") -> bytes:
 def data_url_payload(url: str | bytes) -> bytes:
     """The bytes a ``data:<type>;base64,<data>`` URL carries."""
     data = url.encode("utf-8", "replace") if isinstance(url, str) else bytes(url)
-    header, comma, payload = data[5:].partition(b",")
-    if not comma:
+    comma = data.find(b",", 5)
+    if comma < 0:
         raise DataURLError("malformed data URL (no ',' before the data)")
-    if not header.lower().endswith(b";base64"):
+    if not data[5:comma].lower().endswith(b";base64"):
         raise DataURLError("a data URL must be base64-encoded (data:<type>;base64,<data>)")
-    return b64decode(payload, "the data URL's payload")
+    return b64decode(memoryview(data)[comma + 1 :], "the data URL's payload")  # no copy of the payload
