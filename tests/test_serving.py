@@ -162,6 +162,38 @@ def test_preprocess_empty_modalities_and_pcm(preprocessor):
     assert resampled["feature_attention_mask"].sum() == direct["feature_attention_mask"].sum() == 100
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_omni", "qwen2_5_vl", "qwen2_audio"])
+def test_a_prompt_without_media_is_tokenized_without_the_processor(tiny_models, family, monkeypatch):
+    """Text alone goes to the tokenizer, not through the HF processor, with the processor's own ids
+    (templated and raw); a prompt with a placeholder still goes to the processor (and its checks)."""
+    from transformers import AutoProcessor
+
+    from mmserve.serving.preprocess import PreprocessError, Preprocessor
+    from mmserve_dev.hf_reference import chat_prompt
+
+    reference = AutoProcessor.from_pretrained(tiny_models[family])
+    text = "Tell me, wörld: 你好 ¿what is 2+2? 😀"
+    templated = chat_prompt(family, reference, [f"text:{text}"])
+    expected = {
+        True: reference(text=[templated], return_tensors="np")["input_ids"][0].tolist(),
+        False: reference(text=[text], return_tensors="np")["input_ids"][0].tolist(),
+    }
+    preprocessor = Preprocessor(tiny_models[family])
+    calls = []
+    processor_call = type(preprocessor.processor).__call__
+    monkeypatch.setattr(
+        type(preprocessor.processor), "__call__", lambda self, **kw: calls.append(kw) or processor_call(self, **kw)
+    )
+    for apply_chat_template in (True, False):
+        out = preprocessor(text, apply_chat_template=apply_chat_template)
+        assert out["input_ids"].tolist() == expected[apply_chat_template]
+    assert calls == []
+    token = preprocessor.placeholder_ids["audio" if family == "qwen2_audio" else "image"][0]
+    with pytest.raises(PreprocessError, match="placeholder"):
+        preprocessor(f"{token} {text}", apply_chat_template=False)
+    assert len(calls) >= 1
+
+
 @pytest.mark.parametrize(
     "call,message",
     [
