@@ -81,6 +81,28 @@ def test_a_step_updates_each_metric_once_and_the_per_token_histogram_is_opt_in()
     assert _calls("vllm:time_per_output_token_seconds") == [("observe", 0.004), ("observe", 0.005)]
 
 
+def test_a_gauge_is_set_when_it_changes_and_again_every_refresh_interval(monkeypatch):
+    """Setting a gauge holds the stub's GIL through a round trip to tritonserver: once per change,
+    and again every ``GAUGE_REFRESH_S`` (a gauge Triton recreated at a reload gets its value back)."""
+    from mmserve.serving import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "GAUGE_REFRESH_S", 3600.0)
+    metrics = TritonMetrics(_pb_utils(), {"model": "mm_llm", "version": "1"}, interval_s=0.0)
+    steps = [(3, 1), (3, 1), (3, 0), (2, 0), (2, 0)]
+    for running, waiting in steps:
+        metrics.post(StepStats(running=running, waiting=waiting))
+        metrics._outbox.flush(10)  # one update per step
+    assert _calls("vllm:num_requests_running") == [("set", 3), ("set", 2)]
+    assert _calls("vllm:num_requests_waiting") == [("set", 1), ("set", 0)]
+    monkeypatch.setattr(metrics_module, "GAUGE_REFRESH_S", 0.0)
+    for _ in range(2):
+        metrics.post(StepStats(running=2, waiting=0))
+        metrics._outbox.flush(10)
+    metrics.close()
+    assert _calls("vllm:num_requests_running") == [("set", 3), ("set", 2), ("set", 2), ("set", 2)]
+    assert _calls("vllm:num_requests_waiting") == [("set", 1), ("set", 0), ("set", 0), ("set", 0)]
+
+
 def test_steps_posted_while_an_update_runs_go_out_merged():
     gate = threading.Event()
     metrics = TritonMetrics(_pb_utils(gate), {"model": "mm_llm", "version": "1"}, inter_token_latency=True)

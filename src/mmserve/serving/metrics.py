@@ -5,7 +5,8 @@ vLLM calls its stat loggers on the engine's event loop after every step, and eac
 blocking round trip to tritonserver: ``TritonStatLogger`` only reads the figures there; the
 updates run on the metrics' own ``Outbox`` thread, at most one every ``UPDATE_INTERVAL_S`` (a busy
 engine runs a hundred steps a second and more, each worth three calls), the steps that queued up
-meanwhile merged into one update of each counter and gauge. A histogram takes one call per value,
+meanwhile merged into one update of each counter and gauge (a gauge set only when it changes, and
+every ``GAUGE_REFRESH_S``). A histogram takes one call per value,
 so the per-token histogram (``vllm:time_per_output_token_seconds``, 32 calls for a 32-token
 request) is opt-in (``report_inter_token_latency``); the per-request one
 (``vllm:request_time_per_output_token_seconds``, vLLM's name) costs one call per request
@@ -14,7 +15,9 @@ request) is opt-in (``report_inter_token_latency``); the per-request one
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +32,12 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 UPDATE_INTERVAL_S = 0.1
 """The shortest time between two updates of the metrics: far below any scrape interval."""
+
+GAUGE_REFRESH_S = 1.0
+"""A gauge is set when its value changes, and at least this often: a gauge Triton recreated (a model
+reload) has its value again within this time. Setting one is the one metric call that holds the
+stub's GIL through its round trip to tritonserver (python_backend's ``Metric::SendSetValueRequest``;
+``observe`` and ``increment`` release it): every other thread of ``mm_llm`` waits meanwhile."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,8 @@ class TritonMetrics:
         self._steps_lock = threading.Lock()
         self._interval_s = interval_s
         self._closing = threading.Event()  # cuts the pause after an update short
+        self._gauges: tuple[int | None, int | None] = (None, None)  # (running, waiting) as last set
+        self._gauges_set_at = -math.inf
         family = pb_utils.MetricFamily
         # A MetricFamily must outlive its Metric objects (Triton refuses updates otherwise).
         self._families: list[Any] = []
@@ -164,9 +175,15 @@ class TritonMetrics:
         self._closing.wait(self._interval_s)
 
     def apply(self, stats: StepStats) -> None:
-        if stats.running is not None:  # every update: a gauge Triton recreated (model reload) is set again
-            self.running.set(stats.running)
-            self.waiting.set(stats.waiting)
+        if stats.running is not None:
+            refresh = time.monotonic() - self._gauges_set_at >= GAUGE_REFRESH_S
+            if refresh or stats.running != self._gauges[0]:
+                self.running.set(stats.running)
+            if refresh or stats.waiting != self._gauges[1]:
+                self.waiting.set(stats.waiting)
+            self._gauges = (stats.running, stats.waiting)
+            if refresh:
+                self._gauges_set_at = time.monotonic()
         if stats.prompt_tokens:
             self.prompt_tokens.increment(stats.prompt_tokens)
         if stats.generation_tokens:
