@@ -8,6 +8,7 @@ demand; this test covers what mm_llm does once Triton has flagged a request as c
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -210,13 +211,23 @@ def test_deltas_queued_behind_a_slow_sender_go_out_merged(service, omni_workload
 
 
 @pytest.mark.parametrize("flush_ms", [30, 120])
-def test_a_stream_gets_at_most_one_response_per_flush_interval(service, omni_workload, flush_ms):
+def test_a_stream_gets_at_most_one_response_per_flush_interval(service, omni_workload, flush_ms, monkeypatch):
     """stream_flush_ms: the first response at once, then at least flush_ms between two responses
     (the last one excepted: it goes at once); the same tokens, text and counts as one response per
-    engine output."""
+    engine output. The engine's outputs reach the request's task merged: once per response, not
+    once per engine step (``vllm_seam.install_output_hold``)."""
     request, reference = next((r, t) for r, t in omni_workload if r.name == "image_audio#2")
     tokens = 4 * len(reference)
     every, held = RecordingSink(), RecordingSink()
+    taken: collections.Counter[str] = collections.Counter()
+    stream = service.runner.stream
+
+    async def counted(prompt, params, request_id=None):
+        async for output in stream(prompt, params, request_id):
+            taken[request_id] += 1
+            yield output
+
+    monkeypatch.setattr(service.runner, "stream", counted)
     for sink, flush, request_id in ((every, 0, "flush-0"), (held, flush_ms, f"flush-{flush_ms}")):
         _run(
             service,
@@ -244,6 +255,8 @@ def test_a_stream_gets_at_most_one_response_per_flush_interval(service, omni_wor
     assert len(held.responses) >= 2 and (gaps >= flush_ms / 1000 - 0.002).all(), gaps
     span = held.sent_at[-1] - held.sent_at[0]
     assert len(held.responses) <= span / (flush_ms / 1000) + 2
+    assert taken["flush-0"] == len(every.responses)
+    assert taken[f"flush-{flush_ms}"] <= len(held.responses) + 1, (taken, len(held.responses))
 
 
 @pytest.mark.parametrize("stream", [True, False])

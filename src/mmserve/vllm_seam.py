@@ -13,6 +13,9 @@ that porting to another vLLM release means reading and fixing this file (docs/up
   ``renderer.render_cmpl_async``); ``engine_core_pids``: the engine-core processes;
 - ``silent_prometheus_logger``: keeps ``StatLoggerManager`` from adding vLLM's Prometheus logger
   where nothing serves it;
+- ``install_output_hold``, ``OutputHold``, ``holding``: a request's output collector
+  (``RequestOutputCollector`` in ``vllm.v1.engine.async_llm``) wakes its consumer when it wants
+  the next output, not on every engine step;
 - internal classes, imported from here on first use (``from mmserve.vllm_seam import X``):
   ``AsyncLLM``, ``DictEmbeddingItems``, ``ModalityDataItems``, ``MultiModalFieldConfig``,
   ``StatLoggerBase``, ``VllmConfig``, ``MsgpackEncoder``, ``MsgpackDecoder``.
@@ -24,6 +27,7 @@ The rest of the package imports from ``vllm`` only its public names (``tests/tes
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import importlib
@@ -56,6 +60,7 @@ _INTERNAL_NAMES = {
     "MsgpackDecoder": "vllm.v1.serial_utils",
     "MsgpackEncoder": "vllm.v1.serial_utils",
     "MultiModalFieldConfig": "vllm.multimodal.inputs",
+    "RequestOutputCollector": "vllm.v1.engine.async_llm",
     "StatLoggerBase": "vllm.v1.metrics.loggers",
     "VllmConfig": "vllm.config",
     "enable_envs_cache": "vllm.envs",
@@ -241,6 +246,10 @@ _SIGNATURES: dict[tuple[str, str, str | None], tuple[str, ...]] = {
         "self",
         "audio_input",
     ),
+    # the output hold (install_output_hold)
+    ("vllm.v1.engine.output_processor", "RequestOutputCollector", "__init__"): ("self", "output_kind", "request_id"),
+    ("vllm.v1.engine.output_processor", "RequestOutputCollector", "put"): ("self", "output"),
+    ("vllm.v1.engine.output_processor", "RequestOutputCollector", "get"): ("self",),
     ("vllm.v1.metrics.loggers", "StatLoggerManager", "__init__"): (
         "self",
         "vllm_config",
@@ -314,6 +323,84 @@ def silent_prometheus_logger() -> type:
             pass
 
     return SilentPrometheusStatLogger
+
+
+class OutputHold:
+    """When the consumer of one request's streamed outputs wants the next one (``time.monotonic``
+    seconds; 0: at once). Set it in the task that calls ``AsyncLLM.generate`` with ``holding(hold)``
+    (``install_output_hold`` first), then move ``until`` as the stream goes."""
+
+    __slots__ = ("until",)
+
+    def __init__(self) -> None:
+        self.until = 0.0
+
+
+_OUTPUT_HOLD: contextvars.ContextVar[OutputHold | None] = contextvars.ContextVar("mmserve_output_hold", default=None)
+
+
+@contextlib.contextmanager
+def holding(hold: OutputHold) -> Iterator[None]:
+    """The request that this task adds to the engine meanwhile honours ``hold``."""
+    token = _OUTPUT_HOLD.set(hold)
+    try:
+        yield
+    finally:
+        _OUTPUT_HOLD.reset(token)
+
+
+@functools.cache
+def install_output_hold() -> None:
+    """Make ``AsyncLLM``'s per-request output collector honour an ``OutputHold``.
+
+    vLLM's output handler puts every engine step's delta into the request's collector, which wakes
+    the task iterating ``generate`` each time (its event), where deltas that came while the task
+    was busy are merged. With a hold, a delta before ``hold.until`` is merged without a wake-up,
+    and one wake-up comes at ``until`` (a timer) or with the request's last output, at once:
+    a stream that wants a response every 50 ms wakes its task once per response instead of once
+    per token. Without a hold (``holding`` never set) the collector is vLLM's. vLLM 0.32 creates the
+    collector by the name ``RequestOutputCollector`` in ``vllm.v1.engine.async_llm``."""
+    import asyncio
+    import time
+
+    from vllm.outputs import RequestOutput
+    from vllm.v1.engine import async_llm
+    from vllm.v1.engine.output_processor import RequestOutputCollector
+
+    class HeldOutputCollector(RequestOutputCollector):
+        def __init__(self, output_kind: Any, request_id: str) -> None:
+            super().__init__(output_kind, request_id)
+            self.hold = _OUTPUT_HOLD.get()
+            self.timer: asyncio.TimerHandle | None = None
+
+        def put(self, output: Any) -> None:
+            hold = self.hold
+            if hold is None or not self.aggregate or not isinstance(output, RequestOutput):
+                super().put(output)
+                return
+            current: Any = getattr(self, "output")  # noqa: B009 - mypy cannot type vLLM's attribute
+            if current is None:
+                self.output = output
+            elif isinstance(current, RequestOutput):
+                current.add(output, aggregate=True)
+            else:  # an exception is waiting: it stays
+                return
+            delay = hold.until - time.monotonic()
+            if output.finished or delay <= 0:
+                if self.timer is not None:
+                    self.timer.cancel()
+                    self.timer = None
+                self.ready.set()
+            elif self.timer is None:
+                self.timer = asyncio.get_running_loop().call_later(delay, self.release)
+
+        def release(self) -> None:
+            self.timer = None
+            if self.output is not None:
+                self.ready.set()
+
+    if async_llm.RequestOutputCollector is RequestOutputCollector:
+        async_llm.RequestOutputCollector = HeldOutputCollector
 
 
 def cache_vllm_envs() -> None:

@@ -342,6 +342,7 @@ class LLMService:
         self._reporting = threading.RLock()  # held around on_failure; shutdown waits for it
         self._last_progress = time.monotonic()
         self._outbox = Outbox("mmserve-responses")
+        vllm_seam.install_output_hold()  # a stream's task wakes once per response, not per engine step
         self._watcher = threading.Thread(target=self._watch, name="mmserve-engine-watch", daemon=True)
         self._watcher.start()
 
@@ -449,20 +450,23 @@ class LLMService:
             if entry.stopping:  # stopped before it ran: answered below like any stopped request
                 raise asyncio.CancelledError
             last: RequestOutput | None = None
+            hold = vllm_seam.OutputHold()  # a stream's next output: wanted flush_s after its last response
             if request.tool_calling is not None:  # vLLM's own constraint of the calls, as vllm serve's
                 request.sampling_params = vllm_seam.tool_call_params(
                     self.runner.engine, self.family.tool_call_parser, request.sampling_params, request.tool_calling
                 )
-            async for output in self.runner.stream(request.prompt, request.sampling_params, request_id):
-                self._last_progress = time.monotonic()
-                if cancelled.is_set():  # the client is gone: nothing more to say
-                    break
-                if request.stream:
-                    post(output)
-                    if output.finished:
-                        return
-                else:
-                    last = output
+            with vllm_seam.holding(hold):
+                async for output in self.runner.stream(request.prompt, request.sampling_params, request_id):
+                    self._last_progress = hold.until = time.monotonic()
+                    if cancelled.is_set():  # the client is gone: nothing more to say
+                        break
+                    if request.stream:
+                        post(output)
+                        if output.finished:
+                            return
+                        hold.until += entry.flush_s
+                    else:
+                        last = output
             if cancelled.is_set():
                 post(functools.partial(sink.send_error, CancelledError("the request was cancelled")))
             elif request.stream:  # the stream ended unfinished (vLLM aborted it)
