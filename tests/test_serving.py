@@ -181,9 +181,12 @@ def test_a_prompt_without_media_is_tokenized_without_the_processor(tiny_models, 
     preprocessor = Preprocessor(tiny_models[family])
     calls = []
     processor_call = type(preprocessor.processor).__call__
-    monkeypatch.setattr(
-        type(preprocessor.processor), "__call__", lambda self, **kw: calls.append(kw) or processor_call(self, **kw)
-    )
+
+    def recorded(self, **kwargs):
+        calls.append(kwargs)
+        return processor_call(self, **kwargs)
+
+    monkeypatch.setattr(type(preprocessor.processor), "__call__", recorded)
     for apply_chat_template in (True, False):
         out = preprocessor(text, apply_chat_template=apply_chat_template)
         assert out["input_ids"].tolist() == expected[apply_chat_template]
