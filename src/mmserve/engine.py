@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-import uvloop
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.outputs import RequestOutput
@@ -51,9 +50,7 @@ class EngineRunner:
         self._ids = itertools.count()
         self._processes: list[Any] = []  # psutil.Process of the core(s) and workers
         self._shm_files: set[Path] = set()
-        # uvloop, as vllm serve runs AsyncLLM: the loop's own work (handles, task switches, the
-        # sockets to the engine core) is most of this thread's time besides vLLM's output handler.
-        self._loop = uvloop.new_event_loop()
+        self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mmserve-engine", daemon=True)
         self._thread.start()
         try:
