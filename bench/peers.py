@@ -255,7 +255,9 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--requests-per-slot", type=int, default=2, help="requests per run = max(--min-requests, this x concurrency)"
     )
-    parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument(
+        "--min-requests", type=int, default=16, help="at least this many requests per run (the low-concurrency cells)"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed requests per workload and system first")
     parser.add_argument(
         "--settle",
