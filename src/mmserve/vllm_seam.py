@@ -378,7 +378,7 @@ def install_output_hold() -> None:
             if hold is None or not self.aggregate or not isinstance(output, RequestOutput):
                 super().put(output)
                 return
-            current: Any = getattr(self, "output")  # noqa: B009 - mypy cannot type vLLM's attribute
+            current: Any = self.output  # type: ignore[has-type]  # vLLM's attribute, untyped for mypy
             if current is None:
                 self.output = output
             elif isinstance(current, RequestOutput):

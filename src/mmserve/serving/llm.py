@@ -511,7 +511,9 @@ class LLMService:
 
         A stream's first response, its last and any call go out at once; the outputs in between
         wait until ``entry.flush_s`` after the stream's previous response (a timer on the loop), and
-        whatever queued up meanwhile goes out as one response."""
+        whatever queued up meanwhile goes out as one response. The engine's collector holds them
+        until ``flush_s`` after they were posted (``_run``'s ``OutputHold``: one wake-up of the task
+        per response); this timer keeps the interval counted from the end of the previous send."""
         held = isinstance(item, RequestOutput) and not item.finished and entry.flush_s > 0
         with entry.lock:
             entry.pending.append(item)

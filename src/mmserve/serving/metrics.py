@@ -176,14 +176,15 @@ class TritonMetrics:
 
     def apply(self, stats: StepStats) -> None:
         if stats.running is not None:
-            refresh = time.monotonic() - self._gauges_set_at >= GAUGE_REFRESH_S
+            now = time.monotonic()
+            refresh = now - self._gauges_set_at >= GAUGE_REFRESH_S
             if refresh or stats.running != self._gauges[0]:
                 self.running.set(stats.running)
             if refresh or stats.waiting != self._gauges[1]:
                 self.waiting.set(stats.waiting)
             self._gauges = (stats.running, stats.waiting)
             if refresh:
-                self._gauges_set_at = time.monotonic()
+                self._gauges_set_at = now
         if stats.prompt_tokens:
             self.prompt_tokens.increment(stats.prompt_tokens)
         if stats.generation_tokens:
