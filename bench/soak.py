@@ -9,7 +9,8 @@ modality, cancellations and bad inputs; nothing may change a good request's answ
 Starts a ``TritonServer`` on model_repository/ (tiny Qwen2.5-Omni) unless ``--url`` is given. First
 the reference of each of ``--pool`` distinct good requests (text, image, audio, image+audio, two
 images; greedy, each sent alone), then the soak: each request is, at random (seeded), a good one
-from the pool (65%), a cancelled stream (15%: cancelled after its first delta) or a bad input
+from the pool (65%), a cancelled stream (15%: ``Generation.cancel()`` of the project's client after
+its first delta, which sends ``mm_llm`` a cancel for the request) or a bad input
 (20%: from tests/test_e2e_inputs.py's table). Every good answer is compared with its reference.
 
 Prints: mismatches (must be 0), outcomes by class (good requests must all succeed; bad ones must
@@ -99,16 +100,15 @@ report_exit = 0
 
 def run(args: argparse.Namespace, url: str, pid: int | None) -> None:
     global report_exit
-    import live
-    import numpy as np
-    import tritonclient.grpc as grpcclient
     from test_e2e_inputs import RAW_CASES
 
     from mmserve.client import ClientError, MMClient
 
+    import utils
+
     client = MMClient(url, entry=args.entry)
     sampling = {"max_tokens": args.max_tokens, "temperature": 0.0}
-    pool = [live.make_case(name, parts, seed) for seed in range(args.pool) for name, parts in live.CASES.items()][
+    pool = [utils.make_case(name, parts, seed) for seed in range(args.pool) for name, parts in utils.CASES.items()][
         : args.pool
     ]
     t0 = time.monotonic()
@@ -156,25 +156,18 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> None:
                 outcome = f"good: ERROR {exc.code} {str(exc)[:80]}"
             with lock:
                 latencies.append(time.monotonic() - started)
-        elif kind == "cancel":
-            grpc = grpcclient.InferenceServerClient(url)
-            first = threading.Event()
-            grpc.start_stream(callback=lambda result, error: first.set())
+        elif kind == "cancel":  # the project's client: a cancel control request to mm_llm beside the stream
             case = pool[local.randrange(len(pool))]
-            tensors = {
-                "text_input": np.array([case.text.encode()], dtype=object),
-                "stream": np.array([True]),
-                "sampling_parameters": np.array([b'{"max_tokens": 400, "ignore_eos": true}'], dtype=object),
-            }
-            grpc.async_stream_infer(args.entry, live.grpc_inputs(tensors))
-            first.wait(120)
-            grpc.stop_stream(cancel_requests=True)
-            grpc.close()
+            generation = MMClient(url, entry=args.entry).start(case.text, max_tokens=400, ignore_eos=True)
+            try:
+                next(iter(generation))
+            finally:
+                generation.cancel()
             outcome = "cancel: sent"
         else:
-            case = bad_cases[local.randrange(len(bad_cases))]
+            bad = bad_cases[local.randrange(len(bad_cases))]
             try:
-                live.grpc_stream(live.Endpoints(url, None, None), args.entry, case.request.tensors())
+                utils.send_tensors(utils.Endpoints(url, None, None), args.entry, bad.request.tensors())
                 outcome = "bad: ACCEPTED"
             except ClientError as exc:
                 outcome = f"bad: {exc.code}" if exc.code else f"bad: untagged {str(exc)[:80]}"
