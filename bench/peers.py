@@ -149,6 +149,13 @@ OWN_VIDEO_DECODING = frozenset({VLLM_SERVE, RENDER})
 """Systems whose server decodes a ``video_url`` and samples its frames itself (vLLM's video loader,
 OpenCV): their tokens on a video differ from the first one on, so the check leaves them out of the
 video workload's comparison (they still must give every token asked for)."""
+RUN_LENGTH = {"text": 4}
+"""Text runs get this many times the requests of a media run (``--requests-per-slot``,
+``--min-requests``), so that a run lasts about as long: a text request costs about a quarter of an
+image request's time, and text runs of 32-64 requests (about a second) moved by a fifth and more
+between the rounds of one benchmark (``mm_ensemble`` at concurrency 16: 73.7 then 50.6 req/s,
+2026-12-06 02:23)."""
+
 OPT_IN = frozenset({"video"})
 """Workloads run only when asked for (``--workloads``): ``video``, since the in-process engine once
 stopped answering a video request (its worker silent for minutes, round 1 at concurrency 1,
@@ -207,8 +214,14 @@ class LoadSettings:
         """The sampling parameters of every request (Triton's ``sampling_parameters`` JSON)."""
         return {"max_tokens": self.max_tokens, "temperature": 0.0, "ignore_eos": True}
 
-    def requests_per_run(self, concurrency: int) -> int:
-        return max(self.min_requests, self.requests_per_slot * concurrency)
+    def requests_per_run(self, concurrency: int, workload: str = "") -> int:
+        return max(self.min_requests, self.requests_per_slot * concurrency) * RUN_LENGTH.get(workload, 1)
+
+    def run_sizes(self) -> str:
+        """The requests per run, as the report says it: ``concurrency 1: 16, ...`` (and text's)."""
+        sizes = ", ".join(f"concurrency {c}: {self.requests_per_run(c)}" for c in self.concurrency)
+        longer = [w for w in self.workloads if RUN_LENGTH.get(w, 1) != 1]
+        return sizes + "".join(f" ({w}: {RUN_LENGTH[w]}x as many)" for w in longer)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,7 +266,10 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="requests in flight")
     parser.add_argument("--rounds", type=int, default=2, help="passes over all (workload, concurrency) cells")
     parser.add_argument(
-        "--requests-per-slot", type=int, default=2, help="requests per run = max(--min-requests, this x concurrency)"
+        "--requests-per-slot",
+        type=int,
+        default=2,
+        help="requests per run = max(--min-requests, this x concurrency); text runs get 4x as many (RUN_LENGTH)",
     )
     parser.add_argument(
         "--min-requests", type=int, default=16, help="at least this many requests per run (the low-concurrency cells)"
@@ -423,7 +439,7 @@ def plan(settings: Settings) -> list[Cell]:
     for round_ in range(settings.rounds):
         for workload in settings.workloads:
             for level in settings.concurrency:
-                count = settings.requests_per_run(level)
+                count = settings.requests_per_run(level, workload)
                 cells.append(Cell(workload, level, round_, range(next_seed, next_seed + count)))
                 next_seed += count
     return cells
@@ -1408,7 +1424,7 @@ class Report:
     def markdown(self) -> str:
         s = self.settings
         m, v = machine(), versions(self.triton_version)
-        counts = ", ".join(f"concurrency {c}: {s.requests_per_run(c)}" for c in s.concurrency)
+        counts = s.run_sizes()
         args = {**s.engine_args, "model": display_path(s.model)}
         return MARKDOWN.format(
             date=time.strftime("%Y-%m-%d %H:%M %Z"),
@@ -1447,7 +1463,7 @@ class Report:
                 "concurrency": s.concurrency,
                 "rounds": s.rounds,
                 "max_tokens": s.max_tokens,
-                "requests_per_run": {c: s.requests_per_run(c) for c in s.concurrency},
+                "requests_per_run": {w: {c: s.requests_per_run(c, w) for c in s.concurrency} for w in s.workloads},
                 "warmup": s.warmup,
                 "settle_s": s.settle_s,
                 "image_size": s.image_size,
@@ -1572,7 +1588,7 @@ def write_outputs(report: Report) -> list[Path]:
 
 # -- main --------------------------------------------------------------------------------------------
 def print_header(settings: Settings) -> None:
-    counts = ", ".join(f"c={c}: {settings.requests_per_run(c)}" for c in settings.concurrency)
+    counts = settings.run_sizes()
     print(
         f"# peers: {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs; checkpoint {display_path(settings.model)}",
         flush=True,
