@@ -1,6 +1,6 @@
 """How the gateway reaches Triton: gRPC streams (what it does) vs HTTP ``generate_stream``.
 
-One tritonserver serves ``mm_ensemble``; two clients in this process send it the same kind of
+One tritonserver serves ``mm_ensemble``; two clients in this process send it ``bench/peers.py``'s
 requests at one concurrency, alternating run by run:
 
 * ``grpc``: ``mmserve.gateway.triton.TritonBackend``, the gateway's own: requests spread over a few
@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import base64
 import contextlib
-import io
 import json
 import sys
 import tempfile
@@ -46,27 +45,18 @@ from common import cpu_seconds_by_kind, serving_processes  # noqa: E402
 MODEL = "mm_ensemble"
 
 
-def image_data_url(seed: int, size: int = 448) -> str:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-def request_fields(workload: str, seed: int, max_tokens: int) -> dict[str, Any]:
-    """One request's inputs, as JSON values (the generate extension's form)."""
+def request_fields(workload: str, seed: int, settings: peers.Settings) -> dict[str, Any]:
+    """``bench/peers.py``'s request of ``workload`` for ``seed`` (its text, its 448x448 PNG), as JSON
+    values (the generate extension's form): an image as the base64 data URL a gateway's client sends."""
+    request = peers.make_request(workload, seed, settings)
     fields: dict[str, Any] = {
-        "text_input": f"Request {seed} ({uuid.uuid4().hex[:8]}): tell me about it.",
-        "sampling_parameters": json.dumps(
-            {"max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-        ),
+        "text_input": request.text,
+        "sampling_parameters": json.dumps(settings.sampling),
         "stream": True,
         "return_finish_reason": True,
     }
-    if workload == "image":
-        fields["image"] = [image_data_url(seed)]
+    if request.images:
+        fields["image"] = ["data:image/png;base64," + base64.b64encode(image).decode() for image in request.images]
     return fields
 
 
@@ -128,7 +118,9 @@ async def one_run(
     }
 
 
-async def measure(server: Any, args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
+async def measure(
+    server: Any, args: argparse.Namespace, settings: peers.Settings
+) -> list[tuple[str, str, dict[str, Any]]]:
     import aiohttp
 
     from mmserve.gateway.triton import TritonBackend
@@ -147,17 +139,17 @@ async def measure(server: Any, args: argparse.Namespace) -> list[tuple[str, str,
             transports = {name: every[name] for name in args.transports}
             for workload in args.workloads:
                 for send in transports.values():  # warm-up
-                    await send(request_fields(workload, 0, args.max_tokens))
+                    await send(request_fields(workload, 0, settings))
                 for round_ in range(args.rounds):
                     order = list(transports) if round_ % 2 == 0 else list(reversed(transports))
                     for name in order:
                         seed = 1000 * round_ + (1 if name == "http" else 0)
-                        requests = [
-                            request_fields(workload, seed + 2 * i, args.max_tokens) for i in range(args.requests)
-                        ]
+                        requests = [request_fields(workload, seed + 2 * i, settings) for i in range(args.requests)]
                         result = await one_run(transports[name], requests, args.concurrency, procs)
-                        if result["tokens"] != args.max_tokens:
-                            raise RuntimeError(f"{name}: {result['tokens']} tokens per request, not {args.max_tokens}")
+                        if result["tokens"] != settings.max_tokens:
+                            raise RuntimeError(
+                                f"{name}: {result['tokens']} tokens per request, not {settings.max_tokens}"
+                            )
                         split = " · ".join(f"{k} {v:.2f}" for k, v in sorted(result["split"].items()) if v > 0.005)
                         print(
                             f"{workload:6} round {round_} {name:5} {result['req/s']:6.1f} req/s  "
@@ -195,13 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--stream-flush-ms", type=float, default=None, help="mm_llm's (default: as shipped)")
     args = parser.parse_args(argv)
-    flags = ["--systems", MODEL] + (
+    flags = ["--systems", MODEL, "--max-tokens", str(args.max_tokens)] + (
         [] if args.stream_flush_ms is None else ["--stream-flush-ms", str(args.stream_flush_ms)]
     )
     settings = peers.parse_settings(flags)
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
         server = peers.start_triton(settings, Path(folder), stack)
-        results = asyncio.run(measure(server, args))
+        results = asyncio.run(measure(server, args, settings))
     summary(results)
     return 0
 
