@@ -878,7 +878,22 @@ def start_engines(settings: Settings, stack: contextlib.ExitStack) -> Engines:
 
 # -- measuring ---------------------------------------------------------------------------------------
 class RequestFailed(RuntimeError):
-    """A request failed or got no answer in time: the benchmark stops."""
+    """A request failed or got no answer in time: its run stops, and its system is measured no more."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A system left out of the rest of the benchmark: one of its requests failed or stalled."""
+
+    system: str
+    workload: str
+    concurrency: int
+    round: int  # -1: the warm-up
+    reason: str
+
+    def describe(self) -> str:
+        where = "the warm-up" if self.round < 0 else f"round {self.round}"
+        return f"{self.system}: failed in {where} of {self.workload} at concurrency {self.concurrency}: {self.reason}"
 
 
 async def timed(system: System, request: Request, slots: asyncio.Semaphore, origin: float) -> Outcome:
@@ -903,7 +918,7 @@ async def timed(system: System, request: Request, slots: asyncio.Semaphore, orig
         except TimeoutError:
             raise RequestFailed(
                 f"{system.name}: no answer to request {request.seed} within "
-                f"{REQUEST_TIMEOUT_S:.0f} s ({len(ids)} tokens came)"
+                f"{REQUEST_TIMEOUT_S:g} s ({len(ids)} tokens came)"
             ) from None
         except Exception as exc:
             raise RequestFailed(
@@ -916,12 +931,16 @@ async def timed(system: System, request: Request, slots: asyncio.Semaphore, orig
 async def run_requests(system: System, requests: Sequence[Request], concurrency: int) -> tuple[float, list[Outcome]]:
     """All ``requests`` through ``system``, ``concurrency`` in flight (closed loop); (wall s, outcomes).
 
-    Raises ``RequestFailed`` as soon as one request fails (the others are cancelled when the
-    benchmark's loop closes)."""
+    Raises ``RequestFailed`` as soon as one request fails; the others are cancelled then (their
+    connections closed, so the server aborts them)."""
     slots = asyncio.Semaphore(concurrency)
     origin = time.perf_counter()
-    outcomes = await asyncio.gather(*(timed(system, request, slots, origin) for request in requests))
-    return time.perf_counter() - origin, list(outcomes)
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(timed(system, request, slots, origin)) for request in requests]
+    except* RequestFailed as failed:
+        raise failed.exceptions[0] from None
+    return time.perf_counter() - origin, [task.result() for task in tasks]
 
 
 def rotated(items: Sequence[T], by: int) -> list[T]:
@@ -929,7 +948,32 @@ def rotated(items: Sequence[T], by: int) -> list[T]:
     return [*items[by:], *items[:by]]
 
 
-async def warm_up(systems: Sequence[System], settings: Settings) -> list[Run]:
+class Measured:
+    """The systems still measured, and the failures that left the others out.
+
+    A system whose request fails or stalls (``RequestFailed``) is measured no more; the others go
+    on, and the report says what failed where (the benchmark then exits 1). Its runs before the
+    failure stay in the report."""
+
+    def __init__(self, systems: Sequence[System]) -> None:
+        self.systems = list(systems)
+        self.failures: list[Failure] = []
+
+    async def run(
+        self, system: System, requests: Sequence[Request], concurrency: int, cell: tuple[str, int]
+    ) -> tuple[float, list[Outcome]] | None:
+        """``run_requests`` on ``system``; None if it failed (it is then left out from here on)."""
+        try:
+            return await system.on_own_loop(run_requests(system, requests, concurrency))
+        except RequestFailed as failure:
+            workload, round_ = cell
+            self.failures.append(Failure(system.name, workload, concurrency, round_, str(failure)))
+            self.systems.remove(system)
+            print(f"FAILED: {self.failures[-1].describe()}; {system.name} is left out from here on", flush=True)
+            return None
+
+
+async def warm_up(measured: Measured, settings: Settings) -> list[Run]:
     """``settings.warmup`` requests per workload through every system, all in flight together: the
     same requests for every system, whatever the caches (their tokens are compared too)."""
     runs: list[Run] = []
@@ -937,9 +981,10 @@ async def warm_up(systems: Sequence[System], settings: Settings) -> list[Run]:
         return runs
     for n, workload in enumerate(settings.workloads):
         requests = [make_request(workload, WARMUP_SEEDS + 1000 * n + i, settings) for i in range(settings.warmup)]
-        for system in systems:
-            wall, outcomes = await system.on_own_loop(run_requests(system, requests, settings.warmup))
-            runs.append(Run(system.name, workload, settings.warmup, -1, wall, outcomes))
+        for system in list(measured.systems):
+            result = await measured.run(system, requests, settings.warmup, (workload, -1))
+            if result is not None:
+                runs.append(Run(system.name, workload, settings.warmup, -1, *result))
     return runs
 
 
@@ -953,16 +998,19 @@ def progress_line(run: Run) -> str:
     )
 
 
-async def measure(systems: Sequence[System], settings: Settings) -> list[Run]:
+async def measure(measured: Measured, settings: Settings) -> list[Run]:
     runs = []
     for index, cell in enumerate(plan(settings)):
-        for system in rotated(systems, index):
+        for system in rotated(measured.systems, index) if measured.systems else []:
             requests = [make_request(cell.workload, settings.seed(seed, system.name), settings) for seed in cell.seeds]
             await asyncio.sleep(settings.settle_s)
             processes = system.serving() if system.serving else None
             before = cpu_seconds_by_kind(processes) if processes is not None else {}
             client_before = time.process_time()
-            wall, outcomes = await system.on_own_loop(run_requests(system, requests, cell.concurrency))
+            result = await measured.run(system, requests, cell.concurrency, (cell.workload, cell.round))
+            if result is None:
+                continue
+            wall, outcomes = result
             client_s = time.process_time() - client_before
             after = cpu_seconds_by_kind(processes) if processes is not None else {}
             used = {kind: seconds - before.get(kind, 0.0) for kind, seconds in after.items()}
@@ -1046,15 +1094,16 @@ async def triton_version(engines: Engines) -> str | None:
 
 async def benchmark(
     settings: Settings, engines: Engines, preprocessing: Preprocessing
-) -> tuple[list[Run], list[Run], str | None]:
-    """Warm-up and measurement of every chosen system; returns the measured runs, the warm-up runs
-    and Triton's version."""
+) -> tuple[list[Run], list[Run], list[Failure], str | None]:
+    """Warm-up and measurement of every chosen system; returns the measured runs, the warm-up runs,
+    the systems' failures and Triton's version."""
     async with contextlib.AsyncExitStack() as stack:
-        systems = await connect(settings, engines, preprocessing, stack)
+        measured = Measured(await connect(settings, engines, preprocessing, stack))
         started = time.monotonic()
-        warmups = await warm_up(systems, settings)
+        warmups = await warm_up(measured, settings)
         print(f"# warm-up done in {time.monotonic() - started:.0f} s", flush=True)
-        return await measure(systems, settings), warmups, await triton_version(engines)
+        runs = await measure(measured, settings)
+        return runs, warmups, measured.failures, await triton_version(engines)
 
 
 # -- correctness -------------------------------------------------------------------------------------
@@ -1130,7 +1179,10 @@ def results_table(workload: str, stats: Mapping[tuple[str, int, str], Stats], se
         vllm = stats.get((workload, level, VLLM_SERVE))
         lower = stats.get((workload, level, IN_PROCESS))
         for system in settings.systems:
-            s = stats[workload, level, system]
+            s = stats.get((workload, level, system))
+            if s is None:  # the system failed before this cell (Report.check says where)
+                lines.append(f"| {level} | {system} | failed |" + " – |" * 10)
+                continue
             lines.append(
                 f"| {level} | {system} | {s.requests_s:.2f} | {_ratio(s.requests_s, vllm.requests_s if vllm else None)} | "
                 f"{s.ttft_p50_ms:.0f} | {_difference_ms(s.ttft_p50_ms, vllm.ttft_p50_ms if vllm else None)} | "
@@ -1378,6 +1430,7 @@ class Report:
     triton_version: str | None
     elapsed_s: float
     bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    failures: list[Failure] = field(default_factory=list)
     stats: dict[tuple[str, int, str], Stats] = field(init=False)
     found: list[Mismatch] = field(init=False)
     short: list[tuple[Run, Outcome]] = field(init=False)
@@ -1390,7 +1443,7 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return not self.found and not self.short
+        return not self.found and not self.short and not self.failures
 
     @property
     def total_requests(self) -> int:
@@ -1408,6 +1461,9 @@ class Report:
                 "across systems are the warm-up ones; every measured request is checked for its "
                 f"{self.settings.max_tokens} tokens. `--caches off` compares every request.)"
             )
+        if self.failures:
+            text += "\n\nFailed, and left out of the runs after it (the runs before it are in the tables):\n"
+            text += "\n".join(f"- {failure.describe()}" for failure in self.failures)
         return text
 
     def tables(self) -> str:
@@ -1478,6 +1534,7 @@ class Report:
             "stream": s.stream,
             "wire_bytes": self.bytes,
             "mismatches": [vars(m) for m in self.found],
+            "failures": [vars(f) for f in self.failures],
             "summary": [
                 {"workload": w, "concurrency": c, "system": name, **vars(stats)}
                 for (w, c, name), stats in self.stats.items()
@@ -1521,7 +1578,10 @@ def plot_requests_per_s(report: Report, path: Path) -> None:
         for system in s.systems:
             ax.plot(
                 s.concurrency,
-                [report.stats[workload, c, system].requests_s for c in s.concurrency],
+                [
+                    stats.requests_s if (stats := report.stats.get((workload, c, system))) else float("nan")
+                    for c in s.concurrency
+                ],
                 marker="o",
                 label=system,
             )
@@ -1630,14 +1690,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             threads = max(*settings.concurrency, settings.warmup)
             preprocessing = stack.enter_context(Preprocessing(settings.model, threads))
-            runs, warmups, triton_version = asyncio.run(benchmark(settings, engines, preprocessing))
+            runs, warmups, failures, triton_version = asyncio.run(benchmark(settings, engines, preprocessing))
         finally:
             on_stop_signals(signal.SIG_IGN)  # nothing interrupts the engines' stop
             stopping = time.monotonic()
     on_stop_signals(raise_keyboard_interrupt)
     print(f"# engines stopped in {time.monotonic() - stopping:.0f} s", flush=True)
 
-    report = Report(settings, runs, warmups, triton_version, time.monotonic() - started, wire_bytes(settings))
+    report = Report(settings, runs, warmups, triton_version, time.monotonic() - started, wire_bytes(settings), failures)
     print(f"\n{report.tables()}\n\ncheck: {report.check()}")
     paths = write_outputs(report)
     print(f"\nwritten: {', '.join(display_path(str(p)) for p in paths)}; took {report.elapsed_s / 60:.1f} min")
@@ -1650,6 +1710,3 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         print("# interrupted; every engine was stopped", file=sys.stderr)
         sys.exit(130)
-    except RequestFailed as failure:
-        print(f"FAILED: {failure}\n(every engine was stopped; their logs are named above)", file=sys.stderr)
-        sys.exit(1)
