@@ -1266,11 +1266,12 @@ def describe_workload(workload: str, settings: Settings) -> str:
 
 
 def check_text(
-    found: Sequence[Mismatch], short: Sequence[tuple[Run, Outcome]], total: int, systems: int, video: bool = False
+    found: Sequence[Mismatch], short: Sequence[tuple[Run, Outcome]], total: int, systems: str, video: bool = False
 ) -> str:
+    """``systems``: on which systems every request was compared ("all 6 systems")."""
     if not found and not short:
         but = f" (on video, those but {', '.join(sorted(OWN_VIDEO_DECODING))}: they sample the frames themselves)"
-        return f"OK: every one of the {total} requests gave the same greedy tokens on all {systems} systems{but if video else ''}."
+        return f"OK: every one of the {total} requests gave the same greedy tokens on {systems}{but if video else ''}."
     lines = [
         f"FAILED: {len(found)} mismatch(es), {len(short)} short answer(s) out of {total} requests "
         "(each run on every system)."
@@ -1447,14 +1448,18 @@ class Report:
 
     @property
     def total_requests(self) -> int:
-        compared = len(self.settings.workloads) * self.settings.warmup
-        if self.settings.same_requests:
-            compared += sum(len(cell.seeds) for cell in plan(self.settings))
-        return compared
+        """The requests whose tokens were compared across systems, each counted once."""
+        compared = self.warmups + (self.runs if self.settings.same_requests else [])
+        return sum({(r.workload, r.concurrency, r.round): len(r.outcomes) for r in compared}.values())
 
     def check(self) -> str:
         video = any(WORKLOADS[w][2] for w in self.settings.workloads)
-        text = check_text(self.found, self.short, self.total_requests, len(self.settings.systems), video)
+        systems = (
+            "every system that answered it (failures below)"
+            if self.failures
+            else f"all {len(self.settings.systems)} systems"
+        )
+        text = check_text(self.found, self.short, self.total_requests, systems, video)
         if not self.settings.same_requests:
             text += (
                 " (With the shipped caches each system gets requests of its own, so the requests compared "
