@@ -917,13 +917,10 @@ async def timed(system: System, request: Request, slots: asyncio.Semaphore, orig
                     ids += delta
         except TimeoutError:
             raise RequestFailed(
-                f"{system.name}: no answer to request {request.seed} within "
-                f"{REQUEST_TIMEOUT_S:g} s ({len(ids)} tokens came)"
+                f"no answer to request {request.seed} within {REQUEST_TIMEOUT_S:g} s ({len(ids)} tokens came)"
             ) from None
         except Exception as exc:
-            raise RequestFailed(
-                f"{system.name}: request {request.seed} failed: {type(exc).__name__}: {str(exc)[:500]}"
-            ) from exc
+            raise RequestFailed(f"request {request.seed} failed: {type(exc).__name__}: {str(exc)[:500]}") from exc
         end = time.perf_counter()
     return Outcome(request.seed, start - origin, None if first is None else first - start, end - start, ids, intervals)
 
@@ -944,6 +941,8 @@ async def run_requests(system: System, requests: Sequence[Request], concurrency:
 
 
 def rotated(items: Sequence[T], by: int) -> list[T]:
+    if not items:
+        return []
     by %= len(items)
     return [*items[by:], *items[:by]]
 
@@ -1001,7 +1000,7 @@ def progress_line(run: Run) -> str:
 async def measure(measured: Measured, settings: Settings) -> list[Run]:
     runs = []
     for index, cell in enumerate(plan(settings)):
-        for system in rotated(measured.systems, index) if measured.systems else []:
+        for system in rotated(measured.systems, index):
             requests = [make_request(cell.workload, settings.seed(seed, system.name), settings) for seed in cell.seeds]
             await asyncio.sleep(settings.settle_s)
             processes = system.serving() if system.serving else None
@@ -1181,7 +1180,7 @@ def results_table(workload: str, stats: Mapping[tuple[str, int, str], Stats], se
         for system in settings.systems:
             s = stats.get((workload, level, system))
             if s is None:  # the system failed before this cell (Report.check says where)
-                lines.append(f"| {level} | {system} | failed |" + " – |" * 10)
+                lines.append(f"| {level} | {system} | failed |" + " – |" * (head.count("|") - 4))
                 continue
             lines.append(
                 f"| {level} | {system} | {s.requests_s:.2f} | {_ratio(s.requests_s, vllm.requests_s if vllm else None)} | "
