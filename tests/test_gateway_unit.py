@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import ipaddress
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,17 @@ def rejected(data: Any, **kwargs: Any) -> errors.APIError:
         ("fe80::1%eth0", False),
         ("::ffff:127.0.0.1", False),
         ("224.0.0.1", False),
+        ("::ffff:8.8.8.8", True),  # an IPv6 form of a public IPv4 address: judged as that address
+        ("64:ff9b::808:808", True),  # NAT64 to 8.8.8.8
+        ("::808:808", True),  # IPv4-compatible 8.8.8.8
+        ("64:ff9b::a00:1", False),  # NAT64 to 10.0.0.1
+        ("64:ff9b:1::808:808", False),  # local-use NAT64: the site's own translator
+        ("2002:a9fe:a9fe::1", False),  # 6to4 to 169.254.169.254
+        ("2001:0:4136:e378:8000:63bf:f5ff:fffe", False),  # Teredo, client 10.0.0.1
+        ("::ffff:0:a00:1", False),  # IPv4-translated 10.0.0.1
+        ("::", False),
+        ("fec0::1", False),  # site-local
+        ("ff02::1", False),
     ],
 )
 def test_only_public_addresses_count_as_public(address, public):
@@ -170,6 +183,478 @@ def test_private_hosts_allowed_and_redirects_checked_against_the_domains():
         "redirect to a name": "media_domain_not_allowed",  # the redirect's host is checked too
         "loop": "media_fetch_failed",
     }
+
+
+# -- hostile media URLs: the address connected to is the one checked --------------------------------
+MEDIA = b"\x89PNG fetched from the stand-in"
+PUBLIC_IP = "93.184.215.14"  # a global address; the test network routes it to a local stand-in
+
+
+class Listener:
+    """A stand-in HTTP server on a loopback address that counts the TCP connections it accepts (each
+    answer closes its connection: one fetch, one connection) and the most open at once:
+    ``/a.png`` answers ``MEDIA``, ``/slow.png`` too after ``SLOW_S``, ``/go?<url>`` redirects to
+    the percent-decoded ``<url>`` (its UTF-8 bytes in ``Location``, as a hostile server may send them)."""
+
+    SLOW_S = 0.5
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        import socketserver
+        import threading
+
+        listener = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                listener._serve(self.request)
+
+        class Server(socketserver.ThreadingTCPServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            daemon_threads = True
+
+        self.lock = threading.Lock()
+        self.connections = self.open = self.most_open = 0
+        self.server = Server((host, 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.02,), daemon=True)
+        self.thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        import time
+        import urllib.parse
+
+        with self.lock:
+            self.connections += 1
+            self.open += 1
+            self.most_open = max(self.most_open, self.open)
+        try:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                data += chunk
+            target = data.split(b" ", 2)[1].decode("latin-1")
+            content = b""
+            if target.startswith("/go?"):
+                head = b"HTTP/1.1 302 Found\r\nLocation: " + urllib.parse.unquote(target[4:]).encode()
+            elif target in ("/a.png", "/slow.png"):
+                if target == "/slow.png":
+                    time.sleep(self.SLOW_S)
+                head, content = b"HTTP/1.1 200 OK\r\nContent-Type: image/png", MEDIA
+            else:
+                head = b"HTTP/1.1 404 Not Found"
+            conn.sendall(head + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(content) + content)
+        finally:
+            with self.lock:
+                self.open -= 1
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def listener():
+    """``listener(host="127.0.0.1")``: a started ``Listener``, closed after the test."""
+    made: list[Listener] = []
+
+    def make(host: str = "127.0.0.1") -> Listener:
+        made.append(Listener(host))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
+
+
+@pytest.fixture
+def network(monkeypatch):
+    """The network beyond the gateway's host, stood in for: ``routes[address] = "127.0.0.1"`` makes a
+    connection to ``address`` reach 127.0.0.1 instead (as a NAT64 translator, a 6to4 or Teredo relay,
+    or a router of the gateway's network would deliver it); a connection to any other address that
+    is not loopback is refused, so that no test leaves the machine. Patched under every asyncio
+    selector loop's ``sock_connect``, where aiohttp's connections are made: below every check of
+    the gateway."""
+    from asyncio import selector_events
+
+    routes: dict[str, str] = {}
+    connect = selector_events.BaseSelectorEventLoop.sock_connect
+
+    async def routed(self: Any, sock: socket.socket, address: Any) -> Any:
+        ip = ipaddress.ip_address(str(address[0]).split("%", 1)[0])
+        target = routes.get(str(ip))
+        if target is not None:
+            address = (target, address[1]) if sock.family == socket.AF_INET else (f"::ffff:{target}", *address[1:])
+        elif not (ip.is_loopback or getattr(ip, "ipv4_mapped", None) in ipaddress.ip_network("127.0.0.0/8")):
+            raise ConnectionRefusedError(f"the test network has no route to {address[0]}")
+        return await connect(self, sock, address)
+
+    monkeypatch.setattr(selector_events.BaseSelectorEventLoop, "sock_connect", routed)
+    return routes
+
+
+def _remote(*urls: str, kind: str = "image") -> dict[str, Any]:
+    parts = [{"type": f"{kind}_url", f"{kind}_url": {"url": url}} for url in urls]
+    return body(user(*parts, {"type": "text", "text": "What is it?"}))
+
+
+def _served() -> FakeBackend:
+    return FakeBackend([Delta("ok", [1], "stop", 5, 1, None)])
+
+
+def _refused_before_connecting(gateway, url: str, listener: Listener, param: str, says: str = "") -> None:
+    """``url`` as an image: answered 400 naming the part, no connection at ``listener``, nothing to
+    Triton; and, as a control, fetched from ``listener`` by a gateway allowed private hosts (so the
+    URL does lead there: the refusal is the check's)."""
+    backend = _served()
+    before = listener.connections
+    reply = gateway(backend, allow_remote_media=True).post("/v1/chat/completions", json=_remote(url))
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert (error["param"], error["code"]) == (param, "media_address_not_allowed"), error
+    assert error["message"].startswith(f"{param}: ") and says in error["message"], error["message"]
+    assert listener.connections == before and not backend.requests
+    control = _served()
+    reply = gateway(control, allow_remote_media=True, allow_private_media=True).post(
+        "/v1/chat/completions", json=_remote(url)
+    )
+    assert reply.status_code == 200, reply.text
+    assert control.requests[0]["image"].tolist() == [MEDIA] and listener.connections > before
+
+
+URL_PARAM = "messages[0].content[0].image_url.url"
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127。0。0。1",  # ideographic full stops (U+3002)
+        "127．0．0．1",  # full-width full stops (U+FF0E)
+        "127｡0｡0｡1",  # half-width ideographic full stops (U+FF61)
+        "１２７.０.０.１",  # full-width digits
+        "１２７。０。０。１",
+        "ｌｏｃａｌｈｏｓｔ",  # a full-width name, resolved after folding
+        "0x7f.0.0.1",  # a numeric form the system's resolver reads as 127.0.0.1
+        "[::１]",  # a full-width digit in an IPv6 literal
+        "[０:０:０:０:０:０:０:１]",
+        "[::ffff:１２７.０.０.１]",
+    ],
+)
+def test_a_host_the_http_client_folds_to_loopback_is_refused_before_connecting(gateway, listener, host):
+    """``urllib.parse`` reads these hosts as names; the HTTP client folds them (IDNA/UTS-46, as
+    yarl does) to 127.0.0.1 or ::1 and connects there: the check is on what it connects to (vLLM's
+    CVE-2026-24779 is this class). The control shows each URL does reach the local listener."""
+    local = listener("::1" if host.startswith("[") and "ffff" not in host else "127.0.0.1")
+    _refused_before_connecting(gateway, f"http://{host}:{local.port}/a.png", local, URL_PARAM)
+
+
+@pytest.mark.parametrize("host", ["127.1", "2130706433", "0177.0.0.1"])
+def test_legacy_numeric_ipv4_forms_are_refused_as_the_address_they_denote(gateway, listener, host):
+    """Forms the system's resolver reads as 127.0.0.1 (and aiohttp itself refuses): refused as
+    a private address, not fetched."""
+    local = listener()
+    backend = _served()
+    reply = gateway(backend, allow_remote_media=True).post(
+        "/v1/chat/completions", json=_remote(f"http://{host}:{local.port}/a.png")
+    )
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and (error["param"], error["code"]) == (URL_PARAM, "media_address_not_allowed")
+    assert local.connections == 0 and not backend.requests
+
+
+EMBEDDED_LOOPBACK = {
+    "NAT64 64:ff9b::/96": "64:ff9b::7f00:1",
+    "NAT64 local-use 64:ff9b:1::/48, a /96 in it": "64:ff9b:1::7f00:1",
+    "NAT64 local-use 64:ff9b:1::/48, RFC 6052's /48 form": "64:ff9b:1:7f00:0:100::",
+    "6to4 2002::/16": "2002:7f00:1::1",
+    "6to4 to 10.0.0.1": "2002:a00:1::1",
+    "Teredo 2001::/32, client 127.0.0.1": "2001:0:4136:e378:8000:63bf:80ff:fffe",
+    "IPv4-compatible ::a.b.c.d": "::7f00:1",
+    "IPv4-translated ::ffff:0:a.b.c.d": "::ffff:0:7f00:1",
+}
+
+
+@pytest.mark.parametrize("address", EMBEDDED_LOOPBACK.values(), ids=EMBEDDED_LOOPBACK.keys())
+def test_an_ipv6_address_that_carries_a_private_ipv4_is_refused_before_connecting(gateway, network, listener, address):
+    """The network delivers a connection to these IPv6 addresses to the IPv4 host inside (the stand-in
+    network routes them to the local listener, as a translator or relay would): refused, never
+    connected to; the control shows the route works."""
+    local = listener()
+    network[address] = "127.0.0.1"
+    _refused_before_connecting(gateway, f"http://[{address}]:{local.port}/a.png", local, URL_PARAM)
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "http://127。0。0。1:{port}/a.png",
+        "http://[64:ff9b::7f00:1]:{port}/a.png",
+        "http://ｌｏｃａｌｈｏｓｔ:{port}/a.png",
+    ],
+)
+def test_a_redirect_to_such_a_host_is_refused_before_connecting(gateway, network, listener, target):
+    """A public host (the stand-in network routes its address to a local server) redirects to a host
+    that folds or translates to loopback: the public one is fetched, the redirect refused, the
+    victim never connected to (the control, allowed private hosts, follows it to the victim)."""
+    import urllib.parse
+
+    public, victim = listener(), listener()
+    network[PUBLIC_IP] = network["64:ff9b::7f00:1"] = "127.0.0.1"
+    url = f"http://{PUBLIC_IP}:{public.port}/go?" + urllib.parse.quote(target.format(port=victim.port))
+    _refused_before_connecting(gateway, url, victim, URL_PARAM, says="(a redirect)")
+    assert public.connections == 2  # the refused request's and the control's
+
+
+@pytest.mark.parametrize("left", ["resolved addresses", "socket addresses", None])
+def test_each_connection_check_alone_keeps_the_client_off_loopback(monkeypatch, network, listener, left):
+    """Defence in depth, each layer shown to work by itself: with the URL's literal check off and
+    only ``left`` of the connector's two checks on (the addresses ``_resolve_host`` gives, the socket
+    address of each attempt), a literal, a folded literal, a name and a NAT64 address of loopback are
+    still refused, never connected to; with neither on (``None``) all four are fetched."""
+    import aiohttp
+
+    from mmserve.gateway import media
+
+    monkeypatch.setattr(media, "literal_address", lambda host: None)
+    if left != "socket addresses":
+        monkeypatch.setattr(media, "_public_socket", lambda info: socket.socket(info[0], info[1], info[2]))
+    if left != "resolved addresses":
+        monkeypatch.setattr(media.public_only_connector(), "_resolve_host", aiohttp.TCPConnector._resolve_host)
+    local = listener()
+    network["64:ff9b::7f00:1"] = "127.0.0.1"
+    hosts = ["127.0.0.1", "127。0。0。1", "localhost", "[64:ff9b::7f00:1]"]
+
+    async def run() -> list[Any]:
+        fetcher = media.MediaFetcher(1000, 5.0)
+        results: list[Any] = []
+        try:
+            for host in hosts:
+                try:
+                    results.append(await fetcher(f"http://{host}:{local.port}/a.png", "p"))
+                except errors.APIError as exc:
+                    assert exc.status == 400 and exc.param == "p" and exc.message.startswith("p: ")
+                    results.append(exc.code)
+        finally:
+            await fetcher.close()
+        return results
+
+    results = asyncio.run(run())
+    if left is None:
+        assert results == [MEDIA] * len(hosts) and local.connections == len(hosts)
+    else:
+        assert results == ["media_address_not_allowed"] * len(hosts) and local.connections == 0
+
+
+def test_media_are_counted_against_the_limits_before_anything_is_fetched(gateway, listener):
+    """A request with more media of a modality than ``limit_mm_per_prompt`` is refused with a 400
+    naming the first part over the limit, before any fetch: its remote URL, which comes before the
+    part over the limit, is never connected to. Within the limits, the same URLs are fetched."""
+    local = listener()
+    url = f"http://127.0.0.1:{local.port}/a.png"
+    remote = {"type": "image_url", "image_url": {"url": url}}
+    clip = {"type": "audio_url", "audio_url": {"url": url.replace(".png", ".png?clip")}}
+    config = {"allow_remote_media": True, "allow_private_media": True, "limit_mm_per_prompt": {"image": 2, "audio": 1}}
+    cases = {
+        "messages[1].content[1]": body(user(remote, image()), user({"type": "text", "text": "and"}, image())),
+        "messages[0].content[1]": body(user(clip, audio(), audio())),
+    }
+    for param, request in cases.items():
+        backend = _served()
+        reply = gateway(backend, **config).post("/v1/chat/completions", json=request)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert (error["param"], error["code"]) == (param, "too_many_media_items"), error
+        assert local.connections == 0 and not backend.requests
+    assert error["message"] == (
+        "messages[0].content[1]: the request has 3 audio clips; at most 1 may be provided in one request "
+        "(--limit-mm-per-prompt)"
+    )
+    backend = _served()
+    reply = gateway(backend, **config).post("/v1/chat/completions", json=body(user(remote, image())))
+    assert reply.status_code == 200 and backend.requests[0]["image"].tolist() == [MEDIA, PNG]
+    assert local.connections == 1
+    reply = gateway(_served(), limit_mm_per_prompt={"video": 0}).post(
+        "/v1/chat/completions",
+        json=body(user({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}})),
+    )
+    assert reply.json()["error"]["message"] == (
+        "messages[0].content[0]: the request has 1 video; this server takes no videos (--limit-mm-per-prompt)"
+    )
+
+
+def test_the_default_limits_are_the_shipped_engines(tmp_path):
+    """Without ``--limit-mm-per-prompt`` the gateway counts against the shipped ``mm_llm/model.json``'s
+    ``limit_mm_per_prompt`` (what ``preprocess`` and the engine refuse beyond)."""
+    from mmserve.gateway.__main__ import config_from_args
+    from mmserve.inputs import mm_limits
+
+    shipped = json.loads((Path(__file__).resolve().parents[1] / "model_repository/mm_llm/model.json").read_text())
+    assert dict(GatewayConfig().limit_mm_per_prompt) == mm_limits(shipped)
+    config, _ = config_from_args(["--limit-mm-per-prompt", '{"image": {"count": 8}, "video": 0}'])
+    assert dict(config.limit_mm_per_prompt) == {**mm_limits(shipped), "image": 8, "video": 0}
+    for bad in ('{"image": -1}', '{"picture": 2}', "[4]", "four"):
+        with pytest.raises(SystemExit):
+            config_from_args(["--limit-mm-per-prompt", bad])
+
+
+def test_fetches_of_one_request_are_bounded_in_flight(gateway, listener):
+    """Six remote images, at most two fetched at once (``media_fetches_in_flight``): the stand-in saw
+    six connections, never more than two open together, and the images come in order."""
+    local = listener()
+    urls = [f"http://127.0.0.1:{local.port}/slow.png" for _ in range(6)]
+    backend = _served()
+    client = gateway(
+        backend,
+        allow_remote_media=True,
+        allow_private_media=True,
+        media_fetches_in_flight=2,
+        limit_mm_per_prompt={"image": 6},
+    )
+    reply = client.post("/v1/chat/completions", json=_remote(*urls))
+    assert reply.status_code == 200, reply.text
+    assert backend.requests[0]["image"].tolist() == [MEDIA] * 6
+    assert (local.connections, local.most_open) == (6, 2)
+
+
+# -- the API key ----------------------------------------------------------------------------------
+KEY = "sk-test-0123456789"
+
+
+def test_an_api_key_guards_v1_as_vllm_serve_guards_it(gateway):
+    """With ``api_keys``: every ``/v1`` path answers 401 ``{"error": "Unauthorized"}`` without one of
+    the keys as a bearer token (before anything reaches Triton), and serves with it; ``/health`` stays
+    open. The same requests through vLLM 0.32's own ``AuthenticationMiddleware`` get the same statuses."""
+    from fastapi.testclient import TestClient
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware as VLLMAuthentication
+
+    backend = _served()
+    client = gateway(backend, api_keys=(KEY, "second-key"))
+    chat = body(user("Hi"))
+    requests = {  # name: (headers, authorized)
+        "no header": ({}, False),
+        "another key": ({"Authorization": "Bearer sk-wrong"}, False),
+        "a longer key": ({"Authorization": f"Bearer {KEY}x"}, False),
+        "another scheme": ({"Authorization": f"Basic {KEY}"}, False),
+        "no scheme": ({"Authorization": KEY}, False),
+        "the key": ({"Authorization": f"Bearer {KEY}"}, True),
+        "the other key, scheme in capitals": ({"Authorization": "BEARER second-key"}, True),
+    }
+    paths = [("GET", "/v1/models"), ("GET", "/v1/models/mm_ensemble"), ("POST", "/v1/chat/completions")]
+    paths += [("GET", "/health"), ("GET", "/v2/anything"), ("OPTIONS", "/v1/models")]
+
+    async def anything(request: Any) -> PlainTextResponse:
+        return PlainTextResponse("served")
+
+    routes = [Route(path, anything, methods=["GET", "POST", "OPTIONS"]) for _, path in paths]
+    reference_app = VLLMAuthentication(Starlette(routes=routes), tokens=[KEY, "second-key"])
+
+    async def asgi(scope: Any, receive: Any, send: Any) -> None:  # vLLM's __call__ returns an awaitable
+        await reference_app(scope, receive, send)
+
+    vllm = TestClient(asgi)
+    for name, (headers, authorized) in requests.items():
+        for method, path in paths:
+            reply = client.request(method, path, headers=headers, json=chat if method == "POST" else None)
+            reference = vllm.request(method, path, headers=headers)
+            guarded = path.startswith(("/v1", "/v2")) and method != "OPTIONS"
+            if guarded and not authorized:
+                assert (reply.status_code, reply.json()) == (401, {"error": "Unauthorized"}), (name, path)
+            else:
+                assert reply.status_code != 401, (name, method, path, reply.text)
+            assert (reply.status_code == 401) == (reference.status_code == 401), (name, method, path)
+    assert len(backend.requests) == 2  # the two authorized chat requests only
+    assert client.get("/health").status_code == 200
+    assert KEY not in repr(GatewayConfig(api_keys=(KEY,)))
+
+
+def test_the_openai_sdk_with_the_key_is_served_over_a_socket():
+    """The real ``openai`` SDK (``api_key=``) against the gateway served by uvicorn on a real socket:
+    served with the key; ``AuthenticationError`` (401) with another; ``/health`` open without one."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    import openai
+    import uvicorn
+
+    from mmserve_dev.triton import free_ports
+
+    (port,) = free_ports(1)
+    app = create_app(GatewayConfig(api_keys=(KEY,)), backend=FakeBackend([Delta("Hello!", [1, 2], "stop", 7, 2, None)]))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            thread.join(0.05)
+        assert server.started
+        url = f"http://127.0.0.1:{port}"
+        reply = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0).chat.completions.create(
+            model="mm_ensemble", messages=[{"role": "user", "content": "Hi"}]
+        )
+        assert reply.choices[0].message.content == "Hello!"
+        with pytest.raises(openai.AuthenticationError) as info:
+            openai.OpenAI(base_url=f"{url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+        assert info.value.status_code == 401 and info.value.body == "Unauthorized"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{url}/v1/chat/completions", data=json.dumps(body(user("Hi"))).encode())
+        assert refused.value.code == 401 and json.loads(refused.value.read()) == {"error": "Unauthorized"}
+        with urllib.request.urlopen(f"{url}/health") as health:
+            assert health.status == 200
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_the_key_comes_from_the_command_line_or_the_environment(monkeypatch):
+    """``--api-key`` (one or more keys) over ``$MMSERVE_OPENAI_API_KEY``, as vLLM's ``--api-key`` over
+    ``VLLM_API_KEY``; neither: no key."""
+    from mmserve import settings
+    from mmserve.gateway.__main__ import config_from_args
+
+    monkeypatch.delenv(settings.OPENAI_API_KEY.name, raising=False)
+    assert config_from_args([])[0].api_keys == ()
+    monkeypatch.setenv(settings.OPENAI_API_KEY.name, KEY)
+    assert config_from_args([])[0].api_keys == (KEY,)
+    assert config_from_args(["--api-key", "a", "b"])[0].api_keys == ("a", "b")
+
+
+def test_the_launcher_passes_the_key_in_the_environment_not_on_a_command_line(monkeypatch):
+    """``python -m mmserve_dev.triton --openai-api-key KEY``'s ``start_gateway``: the gateway it starts
+    requires the key, which is in its environment (readable by its user only) and nowhere on its
+    command line (readable by every local user in /proc)."""
+    import types
+    import urllib.error
+    import urllib.request
+
+    from mmserve import settings
+    from mmserve_dev.triton import free_ports
+    from mmserve_dev.triton.__main__ import start_gateway, stop_gateway
+
+    monkeypatch.delenv(settings.OPENAI_API_KEY.name, raising=False)
+    nothing, port = free_ports(2)  # no Triton: /v1/models needs none
+    gateway = start_gateway(types.SimpleNamespace(grpc_url=f"127.0.0.1:{nothing}"), "127.0.0.1", port, KEY)  # type: ignore[arg-type]
+    try:
+        command_line = Path(f"/proc/{gateway.pid}/cmdline").read_bytes()
+        environment = Path(f"/proc/{gateway.pid}/environ").read_bytes().split(b"\0")
+        assert b"mmserve.gateway" in command_line and KEY.encode() not in command_line
+        assert f"{settings.OPENAI_API_KEY.name}={KEY}".encode() in environment
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+        assert refused.value.code == 401
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {KEY}"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            assert json.loads(reply.read())["data"][0]["id"] == "mm_ensemble"
+    finally:
+        stop_gateway(gateway)
 
 
 # -- conversion ----------------------------------------------------------------------------------

@@ -43,6 +43,13 @@ MODEL = EnvVar(
     "(`scripts/serve.sh --model DIR` sets it)",
     "mmserve.inputs.resolve_model",
 )
+OPENAI_API_KEY = EnvVar(
+    "MMSERVE_OPENAI_API_KEY",
+    None,
+    "the key the OpenAI gateway requires (`Authorization: Bearer KEY`) on /v1 when it has no `--api-key` "
+    "(vLLM's VLLM_API_KEY; /health stays open); the launcher's `--openai-api-key` sets it for the gateway it starts",
+    "mmserve.gateway.__main__, mmserve_dev.triton",
+)
 
 # -- development tooling (mmserve_dev, tests, benchmarks, scripts) --------------------------------
 CACHE_DIR = EnvVar(
@@ -97,6 +104,7 @@ TORCH_SPEC = EnvVar(
 
 ALL: tuple[EnvVar, ...] = (
     MODEL,
+    OPENAI_API_KEY,
     CACHE_DIR,
     MODELS_DIR,
     TRITON_GRPC_URL,

@@ -1,11 +1,16 @@
-"""The gateway's command line: ``python -m mmserve.gateway --triton-url HOST:PORT [--port 9000] ...``."""
+"""The gateway's command line: ``python -m mmserve.gateway --triton-url HOST:PORT [--port 9000] ...``.
+
+``--api-key`` (or ``$MMSERVE_OPENAI_API_KEY``, which other local users cannot read as they can a
+command line) makes ``/v1`` answer only requests that bear the key, as ``vllm serve --api-key``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
+from mmserve import settings
 from mmserve.gateway.app import DEFAULT_MODEL, GatewayConfig
 from mmserve.gateway.tools import TOOL_CALL_PARSERS
 
@@ -14,7 +19,26 @@ GRACEFUL_SHUTDOWN_S = 10
 that comes with a stop ends them first."""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _media_limits(text: str) -> dict[str, int]:
+    """``--limit-mm-per-prompt``: vLLM's JSON (``{"image": 4, "video": 0}``; a count or
+    ``{"count": n, ...}`` per modality), read as ``mmserve.inputs.mm_limits`` reads model.json's."""
+    from mmserve.inputs import mm_limits
+
+    try:
+        value = json.loads(text)
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a JSON object, found {text!r}")
+        limits = mm_limits({"limit_mm_per_prompt": value})
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise argparse.ArgumentTypeError(f"expected JSON such as '{{\"image\": 4}}' ({exc})") from None
+    unknown = sorted(set(limits) - {"image", "audio", "video"})
+    if unknown or any(count < 0 for count in limits.values()):
+        raise argparse.ArgumentTypeError(f"expected counts >= 0 of image, audio and video, found {text!r}")
+    return limits
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, argparse.Namespace]:
+    """The gateway's configuration from its command line (and ``$MMSERVE_OPENAI_API_KEY``)."""
     defaults = GatewayConfig()
     parser = argparse.ArgumentParser(
         prog="python -m mmserve.gateway", description="OpenAI-compatible chat API in front of a Triton server (gRPC)."
@@ -63,6 +87,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--media-timeout-s", type=float, default=defaults.media_timeout_s, help="time limit of one remote fetch"
     )
     parser.add_argument(
+        "--media-fetches-in-flight",
+        type=int,
+        default=defaults.media_fetches_in_flight,
+        help="with --allow-remote-media: the most media items of one request fetched at once (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--limit-mm-per-prompt",
+        type=_media_limits,
+        default=None,
+        metavar="JSON",
+        help="the most media items per request and modality, as vllm serve takes it (e.g. "
+        '\'{"image": 4, "audio": 2, "video": 0}\'), counted before anything is fetched; modalities '
+        f"left out keep the default {json.dumps(dict(defaults.limit_mm_per_prompt))} (the shipped "
+        "mm_llm/model.json's: set it to your engine's limit_mm_per_prompt)",
+    )
+    parser.add_argument(
         "--max-request-bytes",
         type=int,
         default=defaults.max_request_bytes,
@@ -88,12 +128,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help='how tool_choice "auto" reads calls in the text: hermes (<tool_call> blocks, the Qwen '
         'families\' format) or none (refuse "auto", as vllm serve without --enable-auto-tool-choice)',
     )
+    parser.add_argument(
+        "--api-key",
+        nargs="+",
+        metavar="KEY",
+        default=None,
+        help="answer /v1 requests only with 'Authorization: Bearer KEY' (one of these keys; 401 "
+        "otherwise), as vllm serve --api-key; /health stays open. Default: "
+        f"${settings.OPENAI_API_KEY.name} (better: a command line is visible to other local users)",
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = parser.parse_args(argv)
-
-    import uvicorn
-
-    from mmserve.gateway.app import create_app
+    if args.media_fetches_in_flight < 1:
+        parser.error(f"--media-fetches-in-flight: expected a positive integer, found {args.media_fetches_in_flight}")
+    keys = [key for key in (args.api_key or [settings.OPENAI_API_KEY.get()]) if key]
 
     config = GatewayConfig(
         triton_url=args.triton_url,
@@ -109,7 +157,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         response_timeout_s=args.response_timeout_s or None,
         triton_streams=args.triton_streams,
         tool_call_parser=args.tool_call_parser,
+        limit_mm_per_prompt={**defaults.limit_mm_per_prompt, **(args.limit_mm_per_prompt or {})},
+        media_fetches_in_flight=args.media_fetches_in_flight,
+        api_keys=tuple(keys),
     )
+    return config, args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config, args = config_from_args(argv)
+
+    import uvicorn
+
+    from mmserve.gateway.app import create_app
+
     uvicorn.run(
         create_app(config),
         host=args.host,

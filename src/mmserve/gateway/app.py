@@ -7,18 +7,24 @@ The HTTP status is chosen once the model's first response (or error) is in: an e
 answers at once (a bad image, too many images, a bad sampling value, the engine down) is a proper
 400/503, not a broken stream. A client that goes away (streaming or not) cancels the Triton
 request and the engine's (``triton.TritonBackend``).
+
+With ``api_keys`` (``--api-key``), every path under ``/v1`` (and vLLM's other guarded prefixes)
+needs ``Authorization: Bearer <one of them>``, as ``vllm serve --api-key`` asks it
+(``AuthenticationMiddleware``); ``/health`` stays open, for probes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
+import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -28,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmserve.gateway import tools
-from mmserve.gateway.convert import conversation, openai_logprobs, request_tensors
+from mmserve.gateway.convert import FETCHES_IN_FLIGHT, MEDIA_LIMITS, conversation, openai_logprobs, request_tensors
 from mmserve.gateway.errors import APIError, internal, invalid, logger, unavailable
 from mmserve.gateway.media import MediaFetcher
 from mmserve.gateway.protocol import ChatCompletionRequest, parse_request
@@ -53,6 +59,13 @@ class GatewayConfig:
     """With ``allow_remote_media``: also fetch from loopback, private and link-local addresses."""
     media_max_bytes: int = 20 * 1024 * 1024
     media_timeout_s: float = 10.0
+    limit_mm_per_prompt: Mapping[str, int] = field(default_factory=lambda: dict(MEDIA_LIMITS))
+    """The most media items of each modality in one request (vLLM's ``limit_mm_per_prompt``),
+    counted before anything is decoded or fetched; a modality absent is left to the model."""
+    media_fetches_in_flight: int = FETCHES_IN_FLIGHT
+    """With ``allow_remote_media``: the most items of one request fetched at once."""
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """Keys one of which a request to ``/v1`` must bear (``Authorization: Bearer``); none: open."""
     max_request_bytes: int = 128 * 1024 * 1024
     response_timeout_s: float | None = 300.0
     """The longest wait for Triton's next response on a request (``None``: no limit); then the
@@ -108,6 +121,8 @@ def create_app(config: GatewayConfig, backend: Any = None) -> FastAPI:
                 await fetcher.close()
 
     app = FastAPI(title="mmserve OpenAI-compatible gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    if config.api_keys:
+        app.add_middleware(AuthenticationMiddleware, tokens=config.api_keys)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -148,6 +163,44 @@ def create_app(config: GatewayConfig, backend: Any = None) -> FastAPI:
             return JSONResponse(error.body(), status_code=error.status)
 
     return app
+
+
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+"""The paths an API key guards: ``vllm serve``'s (``vllm.entrypoints.serve.middleware.authenticate``);
+the others (``/health``) stay open."""
+
+
+class AuthenticationMiddleware:
+    """As ``vllm serve --api-key`` checks a request (vLLM 0.32's ``AuthenticationMiddleware``): a
+    path under ``GUARDED_PREFIXES`` needs ``Authorization: Bearer <key>`` with one of ``tokens``,
+    else it is answered 401 ``{"error": "Unauthorized"}`` before the app reads the body; ``OPTIONS``
+    (CORS preflight) and other paths pass. Keys are compared as SHA-256 digests with
+    ``secrets.compare_digest``, every key every time: the time taken says nothing about them."""
+
+    def __init__(self, app: Any, tokens: Sequence[str]) -> None:
+        self.app = app
+        self.digests = [hashlib.sha256(token.encode()).digest() for token in tokens]
+
+    def authorized(self, scope: Any) -> bool:
+        value = next((v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"), None)
+        if not value:
+            return False
+        scheme, _, token = value.decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(token.encode()).digest()
+        match = False
+        for known in self.digests:
+            match |= secrets.compare_digest(digest, known)
+        return match
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket") and scope.get("method") != "OPTIONS":
+            path = scope["path"].removeprefix(scope.get("root_path", ""))
+            if path.startswith(GUARDED_PREFIXES) and not self.authorized(scope):
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _model_not_found(model: str, config: GatewayConfig) -> APIError:
@@ -223,7 +276,13 @@ async def _chat(request: Request, config: GatewayConfig, backend: Any, fetcher: 
             '"auto" tool choice needs a tool call parser; this gateway runs with --tool-call-parser none',
             param="tool_choice",
         )
-    conv = await conversation(chat, fetcher, config.media_max_bytes)
+    conv = await conversation(
+        chat,
+        fetcher,
+        config.media_max_bytes,
+        limits=config.limit_mm_per_prompt,
+        fetches_in_flight=config.media_fetches_in_flight,
+    )
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     answer = _Answer(chat, completion_id, config.name)
     choices = request_tensors(chat, conv)

@@ -7,15 +7,18 @@ model's chat template): ``[{"role", "content": str | [{"type": "text", "text"} |
 ``tool_call_id`` beside), the request's ``tools`` in the ``tools`` tensor; its media parts refer, in order of appearance, to the
 ``image``, ``audio`` and ``video`` items (encoded files), which the gateway decodes from
 the request's base64 (or fetches, for remote URLs when allowed). The media bytes are not decoded
-here: ``preprocess`` checks and decodes them (and answers ``[INVALID_ARG]`` for a bad file).
+here: ``preprocess`` checks and decodes them (and answers ``[INVALID_ARG]`` for a bad file). The
+media parts of the whole request are counted against the limits first, before anything is decoded
+or fetched (``check_media_counts``), as ``vllm serve`` refuses more than ``limit_mm_per_prompt``
+items; remote ones are then fetched a few at a time (``FETCHES_IN_FLIGHT``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import urllib.parse
-from collections.abc import Awaitable, Callable, Sequence
+import re
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +41,74 @@ from mmserve.gateway.protocol import (
 
 Fetch = Callable[[str, str], Awaitable[bytes]]
 """``fetch(url, param)``: the bytes of a remote (http/https) image or audio file, or an ``APIError``."""
+
+MEDIA_LIMITS: Mapping[str, int] = {"image": 4, "audio": 2, "video": 1}
+"""Media items per request and modality when the gateway is told nothing else: the shipped
+``mm_llm/model.json``'s ``limit_mm_per_prompt`` (and ``preprocess``'s defaults); the gateway's
+``--limit-mm-per-prompt`` sets them (set it to the engine's when that is changed)."""
+
+FETCHES_IN_FLIGHT = 4
+"""Remote media items of one request fetched at once (``--media-fetches-in-flight``)."""
+
+_MEDIA_NOUNS = {"image": ("image", "images"), "audio": ("audio clip", "audio clips"), "video": ("video", "videos")}
+
+
+def _media_kind(part: Any) -> str | None:
+    if isinstance(part, ImagePart):
+        return "image"
+    if isinstance(part, AudioURLPart | AudioPart):
+        return "audio"
+    if isinstance(part, VideoURLPart):
+        return "video"
+    return None
+
+
+def check_media_counts(request: ChatCompletionRequest, limits: Mapping[str, int]) -> None:
+    """Refuse a request with more media items of a modality than ``limits`` (modality -> most items
+    per request; a modality absent is not limited here) with a 400 naming the first part over the
+    limit. Only the parts are counted: nothing is decoded or fetched before this."""
+    counts: dict[str, int] = {}
+    first_over: dict[str, str] = {}
+    for i, message in enumerate(request.messages):
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            kind = _media_kind(part)
+            if kind is None:
+                continue
+            counts[kind] = counts.get(kind, 0) + 1
+            if kind in limits and counts[kind] > limits[kind]:
+                first_over.setdefault(kind, f"messages[{i}].content[{j}]")
+    if first_over:
+        kind, where = next(iter(first_over.items()))  # the modality that went over first
+        (one, many), count, limit = _MEDIA_NOUNS[kind], counts[kind], limits[kind]
+        raise invalid(
+            f"{where}: the request has {count} {one if count == 1 else many}; "
+            + (f"at most {limit} may be provided in one request" if limit else f"this server takes no {many}")
+            + " (--limit-mm-per-prompt)",
+            param=where,
+            code="too_many_media_items",
+        )
+
+
+async def _fetch_all(fetch: Fetch, jobs: Sequence[tuple[str, str]], in_flight: int) -> list[bytes]:
+    """``fetch(url, param)`` of every job, at most ``in_flight`` at once; the first failure cancels
+    the fetches still running and is raised."""
+    results = [b""] * len(jobs)
+    queue = iter(enumerate(jobs))
+
+    async def worker() -> None:
+        for index, (url, param) in queue:  # one iterator shared by the workers
+            results[index] = await fetch(url, param)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for _ in range(min(max(1, in_flight), len(jobs))):
+                group.create_task(worker())
+    except BaseExceptionGroup as failed:
+        first = next((exc for exc in failed.exceptions if isinstance(exc, APIError)), failed.exceptions[0])
+        raise first from None
+    return results
 
 
 @dataclass
@@ -66,12 +137,17 @@ def data_url_bytes(url: str, param: str) -> bytes:
         raise invalid(f"{param}: {exc}", param=param) from None
 
 
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+"""A URL's scheme (RFC 3986), read without parsing the rest: the host is read by the HTTP client's
+own parser only (``media.MediaFetcher``), never by a second one that may read it otherwise."""
+
+
 def media_source(url: str, param: str, remote: bool, kind: str = "image") -> bytes | str:
     """An ``image_url.url`` (``audio_url.url``): the bytes of a data URL, or the http(s) URL to
     fetch (when ``remote``)."""
     if dataurl.is_data_url(url):
         return data_url_bytes(url, param)
-    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    scheme = match.group(1).lower() if (match := _SCHEME.match(url)) else ""
     if scheme in ("http", "https"):
         if not remote:
             raise invalid(
@@ -94,11 +170,20 @@ def audio_bytes(data: str, param: str) -> bytes:
 
 
 async def conversation(
-    request: ChatCompletionRequest, fetch: Fetch | None = None, max_bytes: int | None = None
+    request: ChatCompletionRequest,
+    fetch: Fetch | None = None,
+    max_bytes: int | None = None,
+    *,
+    limits: Mapping[str, int] | None = None,
+    fetches_in_flight: int = FETCHES_IN_FLIGHT,
 ) -> Conversation:
     """The request's messages in ``preprocess``'s form, with the media bytes in order of appearance.
     ``fetch``: how to get a remote image (``None``: remote URLs are refused); ``max_bytes``: the
-    largest media item (decoded) taken."""
+    largest media item (decoded) taken; ``limits``: the most media items per modality
+    (``check_media_counts``, before anything else; ``None``: not counted here);
+    ``fetches_in_flight``: the most remote items fetched at once."""
+    if limits is not None:
+        check_media_counts(request, limits)
 
     def bounded(data: bytes, param: str) -> bytes:
         if max_bytes is not None and len(data) > max_bytes:
@@ -155,7 +240,7 @@ async def conversation(
         out.messages.append({"role": role, "content": parts, **extra})
     if remote:
         assert fetch is not None
-        fetched = await asyncio.gather(*(fetch(url, param) for _, _, url, param in remote))
+        fetched = await _fetch_all(fetch, [(url, param) for _, _, url, param in remote], fetches_in_flight)
         for (items, index, _, _), data in zip(remote, fetched, strict=True):
             items[index] = data
     return out

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
+from mmserve.settings import OPENAI_API_KEY
 from mmserve_dev.triton.install import TritonServerError
 from mmserve_dev.triton.process import NEW_PROCESS_GROUP, TritonServer, die_with_this_process
 
@@ -31,8 +34,10 @@ GATEWAY_STOP_TIMEOUT_S = 3.0
 """How long the gateway may take to exit after the drain (its streams have ended): then it is killed."""
 
 
-def start_gateway(server: TritonServer, host: str, port: int) -> subprocess.Popen[bytes]:
-    """``python -m mmserve.gateway`` against ``server``, dying with this process; returns once it serves."""
+def start_gateway(server: TritonServer, host: str, port: int, api_key: str | None = None) -> subprocess.Popen[bytes]:
+    """``python -m mmserve.gateway`` against ``server``, dying with this process; returns once it serves.
+    ``api_key``: the key it requires on /v1, passed in its environment (``$MMSERVE_OPENAI_API_KEY``),
+    never on its command line, which other local users can read."""
     cmd = die_with_this_process(
         [
             sys.executable,
@@ -48,7 +53,8 @@ def start_gateway(server: TritonServer, host: str, port: int) -> subprocess.Pope
             "warning",
         ]
     )
-    gateway = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, process_group=NEW_PROCESS_GROUP)
+    env = None if api_key is None else {**os.environ, OPENAI_API_KEY.name: api_key}
+    gateway = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, process_group=NEW_PROCESS_GROUP, env=env)
     deadline = time.monotonic() + GATEWAY_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if gateway.poll() is not None:
@@ -56,6 +62,8 @@ def start_gateway(server: TritonServer, host: str, port: int) -> subprocess.Pope
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
                 return gateway
+        except urllib.error.HTTPError:  # it answers (401: it requires an API key)
+            return gateway
         except OSError:
             time.sleep(0.3)
     stop_gateway(gateway)
@@ -93,6 +101,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=None,
         help="also run the OpenAI gateway (python -m mmserve.gateway) on this port",
+    )
+    parser.add_argument(
+        "--openai-api-key",
+        default=None,
+        metavar="KEY",
+        help=f"the gateway requires it on /v1 (passed in its environment; ${OPENAI_API_KEY.name} "
+        "set for this process does the same, unseen on its command line)",
     )
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument(
@@ -173,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gRPC     {server.grpc_url}", flush=True)
         print(f"metrics  {server.metrics_url}", flush=True)
         if args.openai_port is not None:
-            gateway = start_gateway(server, args.host, args.openai_port)
+            gateway = start_gateway(server, args.host, args.openai_port, args.openai_api_key)
             print(f"OpenAI   http://127.0.0.1:{args.openai_port}/v1  (chat completions, models; /health)", flush=True)
         if args.hint:
             print(args.hint.format(http=server.http_url, grpc=server.grpc_url, openai=args.openai_port), flush=True)
