@@ -264,20 +264,21 @@ def test_a_cancel_through_the_ensemble_stops_the_engine(server, stream):
 def test_a_cancel_that_overtakes_its_request_ends_it_cancelled(server):
     """A cancel that reaches mm_llm before its request (still in preprocess) is kept for it: the
     request ends [CANCELLED] when it arrives, and the engine generates nothing for it."""
-    from mmserve.client import ClientError, Generation, cancel_on_engine, grpc_inputs
+    from mmserve.client import ClientError, Generation, cancel_on_engine, new_cancel_key
 
     if server.metrics is None:
         pytest.skip("MMSERVE_TRITON_METRICS_URL not given")
     before = settled_metrics(server, "vllm:generation_tokens_total")["vllm:generation_tokens_total"]
-    request_id = f"overtaken-{time.monotonic_ns()}"
-    assert cancel_on_engine(server.grpc, request_id)
+    request_id, key = f"overtaken-{time.monotonic_ns()}", new_cancel_key()
+    assert cancel_on_engine(server.grpc, request_id, key)
     tensors = {
         "text_input": np.array([b"Count."], dtype=object),
         "stream": np.array([True]),
         "sampling_parameters": np.array([json.dumps(LONG_GENERATION).encode()], dtype=object),
+        "cancel_key": np.array([key], dtype=object),
     }
     with pytest.raises(ClientError) as error:
-        list(Generation(server.grpc, "mm_ensemble", grpc_inputs(tensors), request_id=request_id))
+        list(Generation(server.grpc, "mm_ensemble", tensors, request_id=request_id))
     assert error.value.code == "CANCELLED", str(error.value)
     assert settled_metrics(server, "vllm:generation_tokens_total")["vllm:generation_tokens_total"] == before
 

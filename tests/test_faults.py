@@ -10,11 +10,14 @@ returns and answers equal their references again. The timings are printed (``-s`
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import time
+import urllib.request
 
+import numpy as np
 import pytest
 
 import utils
@@ -111,10 +114,46 @@ def test_engine_wedged_detect_unavailable_heal(own_server, references):
     _fault_and_heal(own_server, references, signal.SIGSTOP, stall + 2 * DETECT_S)
 
 
+def _held_streams(server) -> list[utils.HeldStream]:
+    """Two clients that keep a gRPC stream open (``mmserve.triton_seam`` HELD_STREAMS): one whose only
+    request Triton itself refused (FP16 pixel_values where mm_llm takes FP32: it never reached the
+    model, yet its stream holds mm_llm), one whose request mm_ensemble served (it holds mm_ensemble)."""
+    refused = utils.HeldStream(
+        server,
+        "mm_llm",
+        {"input_ids": np.arange(4, dtype=np.int64), "pixel_values": np.zeros((1, 1176), np.float16)},
+        f"held-refused-{time.monotonic_ns()}",
+    )
+    served = utils.HeldStream(
+        server,
+        "mm_ensemble",
+        {"text_input": np.array([b"Hi"], object), "sampling_parameters": np.array([b'{"max_tokens": 2}'], object)},
+        f"held-served-{time.monotonic_ns()}",
+    )
+    assert wait_for(lambda: bool(refused.answers and served.answers), 60), (refused.answers, served.answers)
+    assert "FP16" in (refused.answers[0] or ""), refused.answers
+    return [refused, served]
+
+
+def test_engine_killed_while_clients_hold_streams_heals(own_server, references):
+    """The same death while clients hold streams open: mm_llm's unload never ends (a stream holds
+    its first request's model until the stream ends, on every Triton release read), and the heal
+    used to wait for it for good (184 s and counting, and a stop then exited 1). The keeper loads a
+    new instance beside the one still unloading (``mmserve.serving.keeper``: PINNED_UNLOAD)."""
+    held = _held_streams(own_server)
+    try:
+        timings = _fault_and_heal(own_server, references, signal.SIGKILL, DETECT_S)
+        assert timings["serving_again_after_s"] < HEAL_S
+    finally:
+        for stream in held:
+            stream.close()
+
+
 def test_clean_stop_after_faults(own_server):
-    """After a death, a wedge, bad requests and cancellations, with generations in flight: a stop
-    within 15 s, exit code 0, each generation ended UNAVAILABLE by the drain with one final
-    response, no process of the server's group and no /dev/shm file of its processes left."""
+    """After a death, a wedge, bad requests and cancellations, with generations in flight and clients
+    holding streams open: a stop within 15 s, exit code 0, each generation ended UNAVAILABLE by the
+    drain with one final response, no process of the server's group and no /dev/shm file of its
+    processes left."""
     import psutil
 
     triton = own_server.server
@@ -132,8 +171,15 @@ def test_clean_stop_after_faults(own_server):
         "mm_ensemble",
         {f"stop-{k}": utils.long_generation(stream, 4000) for k, stream in enumerate((True, True, False))},
     )
+    # ... and clients that hold streams open through the stop (HELD_STREAMS): the launcher ends their
+    # connections once nothing is in flight; before, tritonserver waited for them to its exit timeout.
+    held = _held_streams(own_server)
     started = time.monotonic()
-    code = triton.stop()
+    try:
+        code = triton.stop()
+    finally:
+        for stream in held:
+            stream.close()
     took = time.monotonic() - started
     print(
         f"\nstop after the faults, {len(in_flight)} generations in flight: {took:.1f} s, exit code {code}, "
@@ -194,9 +240,12 @@ def test_engine_dies_with_a_killed_server(tiny_models, victim):
 @pytest.mark.parametrize("stop", ["SIGINT", "SIGKILL"])
 def test_serve_sh_started_in_the_background_stops_or_dies_whole(tiny_models, stop):
     """``scripts/serve.sh`` started in the background by a script (so SIGINT starts ignored, as in CI
-    jobs and supervisors): SIGINT stops everything with exit code 0 within 15 s; SIGKILL of it
-    leaves no process it started after 5 s, its ports free and no /dev/shm file of the server.
-    Its own server each (runs after the others: never two engines at once)."""
+    jobs and supervisors), after it served requests (gRPC and OpenAI): SIGINT stops everything with
+    exit code 0 within 15 s; SIGKILL of it leaves no process it started after 15 s, its ports free
+    and no /dev/shm file of the server. Killed after traffic, the stub used to stay with its engine
+    for good: a thread of it (a metric update) waited in a call into the dead server holding the
+    GIL, so nothing of the stub could run its cleanup; its engine core now ends it
+    (``die_with_triton_stub``). Its own server each (runs after the others: never two engines at once)."""
     import socket
     import subprocess
 
@@ -230,6 +279,19 @@ def test_serve_sh_started_in_the_background_stops_or_dies_whole(tiny_models, sto
         assert int(open(f"/proc/{launcher.pid}/status").read().split("SigIgn:")[1].split()[0], 16) & 0x2 == 0, (
             "SIGINT is still ignored"
         )
+        served = utils.client(utils.Endpoints(f"127.0.0.1:{grpc}", None, None)).generate("Hi", **sampling(4))
+        assert len(served.output_ids) == 4
+        body = {"model": "mm_ensemble", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        with urllib.request.urlopen(
+            urllib.request.Request(
+                f"http://127.0.0.1:{openai}/v1/chat/completions",
+                json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            ),
+            timeout=60,
+        ) as reply:
+            assert reply.status == 200
+        time.sleep(2)  # the metrics' periodic updates run between requests too
         tree = [launcher, *launcher.children(recursive=True)]
         shm = {path for path in utils.shm_leftovers() if path.startswith(f"mmserve_{launcher.pid}_")}
         assert shm and any(p.name() == "tritonserver" for p in tree), [p.name() for p in tree]
@@ -239,7 +301,7 @@ def test_serve_sh_started_in_the_background_stops_or_dies_whole(tiny_models, sto
             assert shell.wait(20) == 0, "".join(lines) + shell.stdout.read()  # the shell ends with serve.sh's code
             took = time.monotonic() - started
             assert took < 15, took
-        _, alive = psutil.wait_procs(tree, timeout=5 if stop == "SIGKILL" else 1)
+        _, alive = psutil.wait_procs(tree, timeout=15 if stop == "SIGKILL" else 1)
         took = time.monotonic() - started
         print(f"\nserve.sh {stop}: everything gone after {took:.1f} s")
         assert not [(p.pid, p.name()) for p in alive if p.status() != psutil.STATUS_ZOMBIE]

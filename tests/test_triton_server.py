@@ -28,6 +28,8 @@ import pytest
 
 from mmserve_dev.triton import TritonServer, TritonServerError, find_tritonserver
 
+import utils
+
 pytestmark = pytest.mark.server
 
 try:
@@ -309,13 +311,14 @@ def test_perf_analyzer_runs(server: TritonServer, tmp_path: Path) -> None:
 def test_the_keeper_loads_back_a_model_that_was_unloaded(server: TritonServer) -> None:
     """``mmserve.serving.keeper`` on a real server: the watched model unloaded (as ``mm_llm`` unloads
     itself after a fault), the keeper sees it UNAVAILABLE in the repository index and loads it back."""
-    import tritonclient.http as httpclient
 
     from mmserve.serving.keeper import ModelKeeper
 
-    keeper = ModelKeeper(server.http_url, ["repeat"], interval_s=0.1, grace_s=0.2).start()
+    keeper = ModelKeeper(
+        server.http_url, ["repeat"], interval_s=0.1, grace_s=0.2, operator_key=server.operator_key
+    ).start()
     try:
-        with httpclient.InferenceServerClient(server.http_url) as http:
+        with utils.operator_http(server.http_url, server.operator_key) as http:
             http.unload_model("repeat")
             deadline = time.monotonic() + 60
             while not keeper.loads and time.monotonic() < deadline:
@@ -346,11 +349,10 @@ def test_an_open_stream_holds_its_model_until_half_closed(server: TritonServer) 
     would a stop, into its exit timeout) until the client half-closes it; then the unload completes.
     When a release stops holding it, this test fails: re-measure the workaround."""
     import tritonclient.grpc as grpcclient
-    import tritonclient.http as httpclient
 
     answers: queue.Queue = queue.Queue()
     stream = grpcclient.InferenceServerClient(server.grpc_url)
-    http = httpclient.InferenceServerClient(server.http_url)
+    http = utils.operator_http(server.http_url, server.operator_key)
     try:
         stream.start_stream(callback=lambda result, error: answers.put(error or result))
         inp = grpcclient.InferInput("IN", [2], "INT32")
@@ -374,16 +376,15 @@ def test_the_clients_close_their_control_streams(server: TritonServer) -> None:
     """``mmserve.drain`` and ``mmserve.client.cancel_on_engine`` end with their stream closed (once
     answered: half-closed, STREAM_HALF_CLOSE), so that a stop or an unload right after them is not
     held. Sent to ``repeat``, their control requests are refused: answered all the same."""
-    import tritonclient.http as httpclient
 
     from mmserve.client import cancel_on_engine
     from mmserve.drain import drain
 
-    http = httpclient.InferenceServerClient(server.http_url)
+    http = utils.operator_http(server.http_url, server.operator_key)
     try:
         for ask in (
             lambda: drain(server.grpc_url, 0.0, llm="repeat", answer_margin_s=5.0),
-            lambda: cancel_on_engine(server.grpc_url, "nothing", llm="repeat"),
+            lambda: cancel_on_engine(server.grpc_url, "nothing", b"k" * 16, llm="repeat"),
         ):
             assert ask() is False  # refused (unknown inputs), hence answered
             http.unload_model("repeat")

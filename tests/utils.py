@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -327,6 +328,21 @@ class Endpoints:
 
 
 # -- sends -------------------------------------------------------------------------------------------
+def operator_http(url: str, key: str) -> Any:
+    """A ``tritonclient.http`` client whose repository and shared-memory calls carry the operator's
+    ``key`` (those APIs are the operator's: ``mmserve.operator``)."""
+    import functools
+
+    import tritonclient.http as httpclient
+
+    from mmserve import operator
+
+    http = httpclient.InferenceServerClient(url)
+    for name in ("load_model", "unload_model", "get_model_repository_index"):
+        setattr(http, name, functools.partial(getattr(http, name), headers=operator.http_headers(key)))
+    return http
+
+
 def client(server: Endpoints, **kwargs: Any) -> MMClient:
     """The project's client on the server's gRPC endpoint (``MMClient`` arguments in ``kwargs``)."""
     from mmserve.client import MMClient
@@ -416,6 +432,55 @@ class Tracked:
         self._thread.join(timeout)
         self._channel.close()
         return not self._thread.is_alive()
+
+
+class HeldStream:
+    """A client that sends one request on a gRPC stream and keeps the stream open (until ``close``):
+    Triton holds the stream's first request, and with it that request's model, until the stream
+    ends (``mmserve.triton_seam`` HELD_STREAMS). ``answers``: the error messages (or None) read."""
+
+    def __init__(self, server: Endpoints, model: str, tensors: dict[str, np.ndarray], request_id: str) -> None:
+        import queue
+
+        import grpc
+        from tritonclient.grpc import service_pb2_grpc
+        from tritonclient.grpc._utils import _get_inference_request
+
+        from mmserve.client import grpc_inputs
+
+        request = _get_inference_request(
+            model_name=model,
+            inputs=grpc_inputs(tensors),
+            model_version="",
+            request_id=request_id,
+            outputs=None,
+            sequence_id=0,
+            sequence_start=False,
+            sequence_end=False,
+            priority=0,
+            timeout=None,
+            parameters=None,
+        )
+        self._outgoing: queue.Queue[Any] = queue.Queue()
+        self._outgoing.put(request)
+        self.answers: list[str | None] = []
+        self._channel = grpc.insecure_channel(server.grpc)
+        self._stream = service_pb2_grpc.GRPCInferenceServiceStub(self._channel).ModelStreamInfer(
+            iter(self._outgoing.get, None)
+        )
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(Exception):  # the stream ends when closed (or cut by the server)
+            for message in self._stream:
+                self.answers.append(message.error_message or None)
+
+    def close(self) -> None:
+        """Half-close the stream and let it go."""
+        self._outgoing.put(None)
+        self._thread.join(10)
+        self._channel.close()
 
 
 def long_generation(stream: bool, max_tokens: int = 3000) -> dict[str, np.ndarray]:

@@ -26,7 +26,8 @@ the token ids and features the server makes of a request).
 
 ``entry`` picks the served model (default ``mm_ensemble``). A request the client cancels (or leaves
 early) is cancelled on its gRPC stream and on the engine: ``cancel_on_engine`` sends ``mm_llm`` a
-control request naming the request's id, since Triton's ensemble scheduler does not carry a
+control request naming the request's id and repeating its ``cancel_key`` (a random token each
+request carries: only its owner can cancel it), since Triton's ensemble scheduler does not carry a
 cancellation into a running step (docs/tensors.md). ``direct=True`` preprocesses on the client's side (the model's own HF processor, ``model`` = the checkpoint
 directory) and calls ``mm_llm`` with the processed tensors; the result is the same.
 
@@ -41,6 +42,7 @@ import contextlib
 import json
 import mimetypes
 import queue
+import secrets
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -207,9 +209,7 @@ class MMClient:
         with ``direct``) over a gRPC stream; see ``start``."""
         if self.protocol != "grpc":
             raise ValueError("tensors travel over gRPC: use protocol='grpc'")
-        return Generation(
-            self.url, model or (LLM if self.direct else self.entry), grpc_inputs(tensors), timeout=self.timeout
-        )
+        return Generation(self.url, model or (LLM if self.direct else self.entry), tensors, timeout=self.timeout)
 
     def infer_tensors(self, tensors: Mapping[str, np.ndarray], *, model: str) -> dict[str, np.ndarray]:
         """One plain gRPC infer of a non-decoupled ``model`` (``preprocess``): its outputs by name."""
@@ -367,13 +367,16 @@ class Generation:
     single-use); an error response raises ``ClientError``. ``cancel()``, from any thread, stops the
     request on the server and ends the iteration. As a context manager, leaving it (or an iteration
     left early) cancels the request unless it ended (its final response, or an error, came).
+
+    ``tensors`` are sent as they are, with a ``cancel_key`` of the request's own added (unless they
+    hold one): the secret its cancel repeats.
     """
 
     def __init__(
         self,
         url: str,
         model: str,
-        inputs: list[Any],
+        tensors: Mapping[str, np.ndarray],
         *,
         timeout: float = 600.0,
         request_id: str | None = None,
@@ -384,6 +387,10 @@ class Generation:
 
         self.url, self.model, self.timeout, self.llm = url, model, timeout, llm
         self.request_id = request_id or uuid.uuid4().hex
+        if "cancel_key" not in tensors:
+            tensors = {**tensors, "cancel_key": np.array([new_cancel_key()], dtype=np.object_)}
+        self.cancel_key: bytes = tensors["cancel_key"].reshape(-1)[0]
+        inputs = grpc_inputs(tensors)
         self._answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
         self._finished = False
         self._lock = threading.Lock()
@@ -433,7 +440,7 @@ class Generation:
             try:
                 client.async_stream_infer(
                     self.llm,
-                    grpc_inputs(cancel_tensors(self.request_id)),
+                    grpc_inputs(cancel_tensors(self.request_id, self.cancel_key)),
                     request_id=self._cancel_id,
                     enable_empty_final_response=True,
                 )
@@ -441,7 +448,7 @@ class Generation:
             except Exception:  # noqa: BLE001 - the stream broke: a stream of its own, below
                 sent = False
             if not (sent and self._cancel_answered.wait(CANCEL_TIMEOUT_S)):
-                cancel_on_engine(self.url, self.request_id, llm=self.llm)
+                cancel_on_engine(self.url, self.request_id, self.cancel_key, llm=self.llm)
             finished = self._ended.wait(CANCEL_TIMEOUT_S)
         client.stop_stream(cancel_requests=not finished)  # mmserve.triton_seam STREAM_HALF_CLOSE
         client.close()
@@ -484,17 +491,29 @@ CANCEL_TIMEOUT_S = 5.0
 """How long ``cancel_on_engine`` waits for ``mm_llm``'s answer."""
 
 
-def cancel_tensors(request_id: str) -> dict[str, np.ndarray]:
+def new_cancel_key() -> bytes:
+    """A fresh ``cancel_key`` for one request: 192 random bits (``mmserve.serving.owners``)."""
+    return secrets.token_urlsafe(24).encode()
+
+
+def cancel_tensors(request_id: str, cancel_key: bytes) -> dict[str, np.ndarray]:
     """The control request that has ``mm_llm`` cancel the request in flight whose Triton request id
-    is ``request_id`` (docs/tensors.md): Triton's ensemble gives each step the ensemble request's id,
-    so this reaches an ``mm_ensemble`` request too, whose running step the ensemble scheduler can't
-    cancel. A cancel that overtakes its request (still in ``preprocess``) waits for it in ``mm_llm``."""
-    return {"input_ids": np.zeros(0, dtype=np.int64), "cancel": np.array([request_id.encode()], dtype=np.object_)}
+    is ``request_id`` and whose ``cancel_key`` is ``cancel_key`` (docs/tensors.md): Triton's
+    ensemble gives each step the ensemble request's id (and passes the key on), so this reaches an
+    ``mm_ensemble`` request too, whose running step the ensemble scheduler can't cancel. A cancel
+    that overtakes its request (still in ``preprocess``) waits for it in ``mm_llm``."""
+    return {
+        "input_ids": np.zeros(0, dtype=np.int64),
+        "cancel": np.array([request_id.encode()], dtype=np.object_),
+        "cancel_key": np.array([cancel_key], dtype=np.object_),
+    }
 
 
-def cancel_on_engine(url: str, request_id: str, *, llm: str = LLM, timeout: float = CANCEL_TIMEOUT_S) -> bool:
-    """Send ``cancel_tensors(request_id)`` to ``llm`` (decoupled: over a gRPC stream of its own) and
-    wait for its answer; False if none came in ``timeout`` or the server refused it."""
+def cancel_on_engine(
+    url: str, request_id: str, cancel_key: bytes, *, llm: str = LLM, timeout: float = CANCEL_TIMEOUT_S
+) -> bool:
+    """Send ``cancel_tensors(request_id, cancel_key)`` to ``llm`` (decoupled: over a gRPC stream of
+    its own) and wait for its answer; False if none came in ``timeout`` or the server refused it."""
     import tritonclient.grpc as grpcclient
 
     answered = threading.Event()
@@ -509,7 +528,7 @@ def cancel_on_engine(url: str, request_id: str, *, llm: str = LLM, timeout: floa
         client.start_stream(callback=on_answer)
         client.async_stream_infer(
             llm,
-            grpc_inputs(cancel_tensors(request_id)),
+            grpc_inputs(cancel_tensors(request_id, cancel_key)),
             request_id=f"{request_id}.cancel",
             enable_empty_final_response=True,
         )

@@ -6,7 +6,9 @@ requests, open HTTP connections and every model's unload together: a generation 
 SIGTERM would take the whole budget and leave none for the unload (exit code 1). So a stop first
 sends ``mm_llm`` a ``drain`` control request: it refuses new requests (``UNAVAILABLE``, "the server is
 stopping"), lets those in flight run for ``grace_s``, ends the rest ``UNAVAILABLE``, and answers once
-none is left; then the server is signalled. The launcher (``mmserve_dev.triton``) does this at every
+none is left; then the server is signalled. Only the operator may drain: the request carries the
+operator's key (``mmserve.operator``; ``MMSERVE_OPERATOR_KEY`` or ``MMSERVE_OPERATOR_KEY_FILE``),
+without which ``mm_llm`` refuses it. The launcher (``mmserve_dev.triton``) does this at every
 stop; in Kubernetes the pod's ``preStop`` hook runs this module (deploy/kubernetes/deployment.yaml).
 """
 
@@ -20,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from mmserve import operator
 from mmserve.client import LLM, grpc_inputs
 
 GRACE_S = 5.0
@@ -35,12 +38,17 @@ def drain(
     llm: str = LLM,
     answer_margin_s: float = ANSWER_MARGIN_S,
     on_sent: Callable[[], object] | None = None,
+    operator_key: str | None = None,
 ) -> bool:
     """Drain ``llm`` on the Triton at ``url`` (gRPC ``host:port``); True once it answered (no request
-    in flight any more), False if it could not be asked or did not answer within ``grace_s`` +
-    ``answer_margin_s``. ``on_sent``: called once the request is handed to the stream (a stop's
-    timeline tells the client's time from the server's)."""
+    in flight any more), False if it could not be asked, refused it (a wrong or missing
+    ``operator_key``; default: ``operator.key_from_environment()``) or did not answer within
+    ``grace_s`` + ``answer_margin_s``. ``on_sent``: called once the request is handed to the stream
+    (a stop's timeline tells the client's time from the server's)."""
     import tritonclient.grpc as grpcclient
+
+    if operator_key is None:
+        operator_key = operator.key_from_environment()
 
     answered = threading.Event()
     errors: list[Any] = []
@@ -54,6 +62,8 @@ def drain(
         "input_ids": np.zeros(0, dtype=np.int64),
         "drain": np.array([grace_s], dtype=np.float32),
     }
+    if operator_key:
+        tensors["operator_key"] = np.array([operator_key.encode()], dtype=np.object_)
     client = grpcclient.InferenceServerClient(url)
     try:
         client.start_stream(callback=on_answer)

@@ -51,6 +51,23 @@ OPENAI_API_KEY = EnvVar(
     "mmserve.gateway.__main__, mmserve_dev.triton",
 )
 
+OPERATOR_KEY = EnvVar(
+    "MMSERVE_OPERATOR_KEY",
+    None,
+    "the operator's key (docs/SECURITY.md): Triton's repository, shared-memory, logging and trace APIs "
+    "and mm_llm's drain answer only a request that carries it. tritonserver, its stubs, the keeper and "
+    "the drain read the same value; set it from a secret. Unset: the CPU launcher makes one per start "
+    "(and writes it to MMSERVE_OPERATOR_KEY_FILE when that is set)",
+    "mmserve.operator",
+)
+OPERATOR_KEY_FILE = EnvVar(
+    "MMSERVE_OPERATOR_KEY_FILE",
+    None,
+    "a file holding the operator's key (a mounted secret), read when MMSERVE_OPERATOR_KEY is unset; "
+    "the CPU launcher writes the key it made there (mode 0600)",
+    "mmserve.operator",
+)
+
 # -- development tooling (mmserve_dev, tests, benchmarks, scripts) --------------------------------
 CACHE_DIR = EnvVar(
     "MMSERVE_CACHE_DIR",

@@ -9,6 +9,12 @@ means running ``tests/test_faults.py`` and ``bench/stops.py`` on that release fi
 (docs/RELIABILITY.md). ``tests/test_triton_seam.py`` checks that every note about a Triton release
 in ``src/`` and ``model_repository/`` is in a file listed here and that the tested server is
 ``TRITON_TESTED``.
+
+A server's release is read once, at its start (``mmserve_dev.triton.TritonServer.version``, from
+``/v2``), and ``active(release)`` says which workarounds it needs: those not ``fixed_in`` a release
+at or before it. The launcher prints them at every start, and applies the ones it carries (the
+connection cut of HELD_STREAMS) only where they are active; the rest cost nothing where the bug is
+gone (``harmless``) and stay on.
 """
 
 from __future__ import annotations
@@ -36,6 +42,26 @@ class Workaround:
     harmless: str
     """Why it costs nothing (or what it costs) on a release without the bug."""
     ends: str = UNVERIFIED
+    fixed_in: str | None = None
+    """The first release without the bug, where that was established (measured, or read in its
+    source); None: none known."""
+
+
+def release(version: str) -> tuple[int, ...]:
+    """``"2.51.0"`` -> ``(2, 51, 0)`` (what follows the numbers, like ``dev``, is ignored)."""
+    parts = []
+    for part in version.split("."):
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def active(version: str) -> tuple[Workaround, ...]:
+    """The workarounds a server of release ``version`` needs."""
+    current = release(version)
+    return tuple(w for w in WORKAROUNDS if w.fixed_in is None or current < release(w.fixed_in))
 
 
 WORKAROUNDS = (
@@ -101,7 +127,29 @@ WORKAROUNDS = (
         "long-lived streams are half-closed at its stop, which comes before the server's",
         ("src/mmserve/drain.py", "src/mmserve/client.py", "src/mmserve/gateway/triton.py"),
         "a half-close is how a gRPC stream normally ends",
-        "the cancellation leak: 2.57 (server#8078); a stream's hold on its first request: " + UNVERIFIED,
+        "the cancellation leak: 2.57 (server#8078); a stream's hold on its first request: HELD_STREAMS",
+    ),
+    Workaround(
+        "HELD_STREAMS",
+        "a gRPC stream keeps its first request, and so that request's model, until the stream ends, "
+        "whatever the request was (one Triton itself refused included): a client that keeps a stream "
+        "open keeps the model from unloading. A failed mm_llm then stays UNLOADING and the keeper "
+        "never healed it (measured: not ready 184 s and counting); and tritonserver, which ends gRPC "
+        "connections only after the models' unload (2.51; 2.58 and later wait for them within the "
+        "same exit timeout), runs into its exit timeout at a stop (exit code 1)",
+        "the keeper loads a model that stays UNLOADING past pinned_unload_s anyway (Triton then loads "
+        "a new instance beside the held one); the launcher's stop, once the drain has ended every "
+        "request, shuts down the client connections tritonserver still holds (pidfd_getfd, as its "
+        "parent)",
+        (
+            "src/mmserve/serving/keeper.py",
+            "tools/mmserve_dev/triton/connections.py",
+            "tools/mmserve_dev/triton/process.py",
+        ),
+        "a load only after 10 s of UNLOADING; connections ended only when a stop is 2 s old and "
+        "nothing is in flight any more",
+        "not fixed in 2.69 (read in its source: the stream's first state keeps its request until "
+        "the stream ends); servers run without the launcher (the GPU image) keep Triton's stop",
     ),
     Workaround(
         "READ_STREAM_TO_END",

@@ -109,7 +109,15 @@ FLAG_INPUTS: tuple[TensorSpec, ...] = (
     _flag("return_num_output_tokens", "add num_output_tokens"),
 )
 """The boolean switches of a generation request, as Triton's vLLM backend names them."""
-GENERATION_INPUTS: tuple[TensorSpec, ...] = (STREAM, SAMPLING_PARAMETERS, *FLAG_INPUTS[1:])
+CANCEL_KEY = TensorSpec(
+    "cancel_key",
+    "object",
+    (1,),
+    "a secret of the client's own (16 to 128 bytes, e.g. a random token): only a cancel that repeats "
+    "it, for this request's id, cancels this request (mmserve.client.new_cancel_key); without it the "
+    "request can be cancelled only by cancelling its own stream or connection",
+)
+GENERATION_INPUTS: tuple[TensorSpec, ...] = (STREAM, SAMPLING_PARAMETERS, *FLAG_INPUTS[1:], CANCEL_KEY)
 """How to generate: what ``mm_llm`` takes beside the prompt (in this order in the configs)."""
 PUBLIC_INPUTS: tuple[TensorSpec, ...] = (*PREPROCESS_INPUTS, *GENERATION_INPUTS)
 """What ``mm_ensemble`` takes."""
@@ -117,8 +125,9 @@ CANCEL = TensorSpec(
     "cancel",
     "object",
     (1,),
-    "a control request to mm_llm: cancel the request in flight "
-    "whose Triton request id this is (mmserve.client.cancel_tensors)",
+    "a control request to mm_llm: cancel the request in flight whose Triton request id this is and "
+    "whose cancel_key the control request repeats (mmserve.client.cancel_tensors); answered alike "
+    "whether or not such a request exists",
 )
 DRAIN = TensorSpec(
     "drain",
@@ -126,7 +135,13 @@ DRAIN = TensorSpec(
     (1,),
     "a control request to mm_llm before a stop: refuse new requests, "
     "give those in flight this many seconds, then end them UNAVAILABLE; answered once none is "
-    "in flight (mmserve.drain)",
+    "in flight (mmserve.drain); only with operator_key",
+)
+OPERATOR_KEY = TensorSpec(
+    "operator_key",
+    "object",
+    (1,),
+    "the operator's key (mmserve.operator), which a drain must carry: refused without it",
 )
 
 # ------------------------------------------------------------------------------------ responses

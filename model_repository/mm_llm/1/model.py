@@ -4,11 +4,15 @@ Inputs : input_ids (INT64 [tokens], placeholders expanded); optional pixel_value
          input_features, feature_attention_mask (the HF processor's outputs; absent or empty: none),
          text_input (echoed unless exclude_input_in_output), stream, sampling_parameters (JSON),
          exclude_input_in_output and the return_* flags of Triton's vLLM backend.
-         cancel (BYTES [1]): a control request: cancel the request whose Triton request id this
-         is (mm_ensemble passes the client's id on; mmserve.client and the gateway send it when
-         their client cancels); answered with an empty final response, its other inputs ignored.
-         drain (FP32 [1]): a control request before a stop (mmserve.drain): refuse new requests,
-         give those in flight this many seconds, end the rest UNAVAILABLE, then answer.
+         cancel_key (BYTES [1]): the client's secret; only a cancel that repeats it cancels the
+         request (mmserve.serving.owners).
+         cancel (BYTES [1]) + cancel_key: a control request: cancel the request whose Triton
+         request id and cancel_key these are (mm_ensemble passes the client's id and key on;
+         mmserve.client and the gateway send it when their client cancels); answered with an empty
+         final response whether or not such a request exists, its other inputs ignored.
+         drain (FP32 [1]) + operator_key: a control request before a stop (mmserve.drain), the
+         operator's only (mmserve.operator): refuse new requests, give those in flight this many
+         seconds, end the rest UNAVAILABLE, then answer.
 Outputs: text_output, output_ids, and when asked finish_reason, cumulative_logprob, logprobs,
          num_input_tokens, num_output_tokens. Streaming: the first delta at once, then at most
          one response per stream_flush_ms (config.pbtxt; per request in sampling_parameters).
@@ -31,15 +35,23 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
-from mmserve.serving.embedded import finish_stub, freeze_startup_heap, prepare_stub, server_gone, use_utf8_locale
+from mmserve.serving.embedded import (
+    arm_deadman_switch,
+    finish_stub,
+    freeze_startup_heap,
+    prepare_stub,
+    server_gone,
+    use_utf8_locale,
+)
 
 use_utf8_locale()  # first: before torch or vLLM read a file (see its docstring)
 
-from mmserve import vllm_seam
-from mmserve.errors import UnavailableError
+from mmserve import operator, vllm_seam
+from mmserve.errors import InputError, UnavailableError
 from mmserve.serving.llm import STOPPING, STREAM_FLUSH_MS, HealthConfig, LLMConfig, LLMService, parse_request
 from mmserve.serving.metrics import TritonMetrics, TritonStatLogger
-from mmserve.serving.triton import TritonSink, flag, parameters, read_input
+from mmserve.serving.owners import owner_of, request_id_of
+from mmserve.serving.triton import TritonSink, first_bytes, flag, parameters, read_input
 
 logger = logging.getLogger("mm_llm")
 
@@ -57,6 +69,7 @@ class TritonPythonModel:
             stall_timeout_s=float(params.get("engine_stall_timeout_s", HealthConfig.stall_timeout_s)),
         )
         self.model_name = args["model_name"]
+        self.operator_key = operator.key_from_environment()  # the drain's (None: no drain at all)
         config = LLMConfig.from_file(os.path.join(args["model_repository"], "model.json"))
         self.metrics = TritonMetrics(
             pb_utils,
@@ -71,6 +84,7 @@ class TritonPythonModel:
         self.family = self.service.family
         vllm_seam.cache_vllm_envs()
         freeze_startup_heap()
+        arm_deadman_switch()
 
     def _kill_engine(self):
         service = getattr(self, "service", None)
@@ -103,17 +117,22 @@ class TritonPythonModel:
             sink = TritonSink(pb_utils, request)
             get = functools.partial(read_input, pb_utils, request)
             try:
-                cancel = get("cancel")
-                if cancel is not None and cancel.size:
-                    self.service.cancel(cancel.reshape(-1)[0].decode("utf-8", "replace"))
+                client_id = request_id_of(request.request_id())
+                if (cancel := first_bytes(get("cancel"), "cancel")) is not None:
+                    key = first_bytes(get("cancel_key"), "cancel_key")
+                    if key is None:
+                        raise InputError("cancel: expected the cancel_key the request was sent with (cancel_key)")
+                    self.service.cancel(owner_of(cancel.decode("utf-8", "replace"), key))
                     sink.send_final()
                     continue
-                drain = get("drain")
-                if drain is not None and drain.size:
+                if (drain := get("drain")) is not None and drain.size:
+                    if not operator.is_operator(self.operator_key, first_bytes(get("operator_key"), "operator_key")):
+                        raise InputError("drain: refused: the operator's key (operator_key) is missing or wrong")
                     threading.Thread(
                         target=self._drain, args=(float(drain.reshape(-1)[0]), sink), name="mm_llm-drain", daemon=True
                     ).start()
                     continue
+                owner = owner_of(client_id, first_bytes(get("cancel_key"), "cancel_key"))
                 parsed = parse_request(
                     self.family,
                     get,
@@ -125,9 +144,8 @@ class TritonPythonModel:
                 sink.send_error(exc)
                 continue
             # Triton request ids need not be unique; the engine's must be.
-            client_id = request.request_id()
             request_id = self.service.runner.new_request_id(client_id or "triton")
-            self.service.submit(parsed, sink, request_id, client_id=client_id or None)
+            self.service.submit(parsed, sink, request_id, owner=owner)
         return None
 
     def _drain(self, grace_s, sink):

@@ -15,7 +15,7 @@ import functools
 import json
 import os
 
-from mmserve.serving.embedded import finish_stub, freeze_startup_heap, prepare_stub, use_utf8_locale
+from mmserve.serving.embedded import arm_deadman_switch, finish_stub, freeze_startup_heap, prepare_stub, use_utf8_locale
 
 use_utf8_locale()  # first: before torch reads a file (see its docstring)
 
@@ -35,6 +35,7 @@ class TritonPythonModel:
         self.service = EncodeService(engine["model"], EncodeSettings.from_parameters(config))
         self.metrics = CacheMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         freeze_startup_heap()
+        arm_deadman_switch()
 
     def execute(self, requests):
         responses = []

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mmserve.client import LLM, cancel_tensors
+from mmserve.client import LLM, cancel_tensors, new_cancel_key
 from mmserve.gateway.errors import (
     APIError,
     from_grpc,
@@ -306,8 +306,11 @@ class TritonBackend:
         stream = self._next_stream()
         stream.ids.add(request_id)
         ended = False
+        cancel_key = new_cancel_key()  # only a cancel that repeats it cancels the request (mm_llm)
         try:
-            stream.send(infer_request(self.model, tensors, request_id))
+            stream.send(
+                infer_request(self.model, {**tensors, "cancel_key": np.array([cancel_key], np.object_)}, request_id)
+            )
             while True:
                 try:
                     async with asyncio.timeout(self.response_timeout_s):
@@ -339,7 +342,7 @@ class TritonBackend:
             del self._pending[request_id]
             stream.ids.discard(request_id)
             if not ended and stream.open:  # abort it on the engine; later responses are dropped
-                stream.send(infer_request(self.llm, cancel_tensors(request_id), f"{request_id}.cancel"))
+                stream.send(infer_request(self.llm, cancel_tensors(request_id, cancel_key), f"{request_id}.cancel"))
 
 
 def _is_grpc(exc: BaseException) -> bool:

@@ -6,6 +6,7 @@ processes it starts that end with it and with its server (``exit_with_server``,
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import locale
 import logging
@@ -65,7 +66,84 @@ def die_with_triton_stub() -> bool:
         return False
     if os.getppid() != parent:  # the stub died before the call: too late for the signal
         os.kill(os.getpid(), signal.SIGKILL)
+    server = _parent_of(parent)
+    if server is not None:
+        threading.Thread(
+            target=_end_a_stub_that_outlives_its_server, args=(parent, server), name="mmserve-stub-guard", daemon=True
+        ).start()
     return True
+
+
+STUB_OUTLIVES_SERVER_S = 5.0
+"""How long a stub may outlive its tritonserver before its engine core ends it (``die_with_triton_stub``)."""
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+        return int(data[data.rfind(")") + 2 :].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _end_a_stub_that_outlives_its_server(stub: int, server: int, interval_s: float = 1.0) -> None:
+    """In the engine core: once the stub's tritonserver is gone, give the stub
+    ``STUB_OUTLIVES_SERVER_S`` to clean up and exit (``exit_with_server``); if it is still there,
+    remove the shared memory it and this process mapped and SIGKILL it (this process then dies by
+    its parent-death signal, its workers after it). A stub can't always do it itself: a thread of
+    it blocked in a call into the dead server can hold its GIL for good (``mmserve.triton_seam``:
+    STUB_EXITS_WITH_SERVER; seen: a metric update), and its engine would then run on, holding the
+    model's memory. This process has a GIL of its own."""
+    import os
+    import signal
+    import time
+
+    while _parent_of(stub) == server:
+        time.sleep(interval_s)
+    deadline = time.monotonic() + STUB_OUTLIVES_SERVER_S
+    while time.monotonic() < deadline:
+        if _parent_of(stub) is None:
+            return  # the stub exited (and this process goes with it)
+        time.sleep(0.1)
+    for path in _shm_files_mapped_by((stub, os.getpid(), *_children_of(os.getpid()))) | _stub_region(stub):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.kill(stub, signal.SIGKILL)
+
+
+def _children_of(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _shm_files_mapped_by(pids: tuple[int, ...]) -> set[str]:
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    path = line.rstrip("\n").split(maxsplit=5)[-1]
+                    if path.startswith("/dev/shm/"):
+                        found.add(path.removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return found
+
+
+def _stub_region(stub: int) -> set[str]:
+    """The stub's Python-backend region (its second argument), as ``remove_own_shm_region`` reads it."""
+    try:
+        with open(f"/proc/{stub}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        name = argv[2].decode()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return set()
+    return {f"/dev/shm/{name}"} if name and "/" not in name else set()
 
 
 STACK_DUMP_SIGNAL = "SIGUSR1"
@@ -162,6 +240,9 @@ def exit_with_server(cleanup: Callable[[], None], interval_s: float = 1.0) -> th
         global _server_gone
         while True:
             time.sleep(interval_s)
+            with _watchdog_lock:
+                if _deadman_armed and not _finalizing:  # see arm_deadman_switch
+                    faulthandler.dump_traceback_later(DEADMAN_S, exit=True, file=sys.stderr)
             if os.getppid() != server:
                 _server_gone = True
                 # A thread blocked in a call into the dead server may hold the GIL for good (the
@@ -177,6 +258,30 @@ def exit_with_server(cleanup: Callable[[], None], interval_s: float = 1.0) -> th
     thread = threading.Thread(target=watch, name="mmserve-server-watch", daemon=True)
     thread.start()
     return thread
+
+
+DEADMAN_S = 30.0
+"""A serving stub whose watcher thread could not run for this long exits (``arm_deadman_switch``)."""
+_watchdog_lock = threading.Lock()
+_deadman_armed = False
+_finalizing = False
+
+
+def arm_deadman_switch() -> None:
+    """Call last in a model's ``initialize``: from now on, a stub whose watcher thread
+    (``exit_with_server``) gets no turn for ``DEADMAN_S`` -- a thread holds the GIL in a call that
+    never returns, as the Python backend's calls into a dead or wedged server do -- writes every
+    thread's stack to the server log and exits (``faulthandler``'s watchdog, a C thread, needs no
+    GIL). Its engine processes die with it. Not during ``initialize``, whose imports and engine
+    start may hold the GIL in long C calls; ``finish_stub`` disarms it."""
+    import faulthandler
+    import sys
+
+    global _deadman_armed
+    with _watchdog_lock:
+        _deadman_armed = True
+        if not _finalizing:
+            faulthandler.dump_traceback_later(DEADMAN_S, exit=True, file=sys.stderr)
 
 
 def finish_stub(exit_after_s: float = 5.0) -> None:
@@ -227,7 +332,10 @@ def exit_soon_after_finalize(seconds: float = 5.0) -> None:
     import faulthandler
     import sys
 
-    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
+    global _finalizing
+    with _watchdog_lock:  # the dead man's switch is re-armed no more: this deadline replaces it
+        _finalizing = True
+        faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
 
 
 def freeze_startup_heap() -> int:

@@ -11,8 +11,18 @@ a stub that loads a model after its own unload corrupts its heap, and one that p
 API, beside the server: when Triton's repository index shows the first of ``models``
 UNAVAILABLE (it unloaded itself, or a load failed), it loads every one of ``models`` that is not
 ready, in order (``mm_llm``, then ``mm_ensemble``, which Triton unloaded with it).
+
+An unload that never ends is healed too (``mmserve.triton_seam``: HELD_STREAMS): Triton unloads a
+model only once nothing holds it, and a gRPC stream holds its first request, and so that request's
+model, until the stream ends -- a client that keeps a stream open (or, on 2.51, cancels one at the
+wrong moment) keeps a failed ``mm_llm`` UNLOADING for good. After ``pinned_unload_s`` of
+UNLOADING the keeper loads it anyway: Triton then loads a new instance beside the one it still
+unloads (its dead engine's processes are gone already), and the new one serves.
+
+The repository API is the operator's (``mmserve.operator``): the keeper sends the operator's key.
 ``mmserve_dev.triton`` runs one (``scripts/serve.sh``, the tests); elsewhere run it as a sidecar
-(needs ``--model-control-mode=explicit``)::
+(needs ``--model-control-mode=explicit``; the key from ``MMSERVE_OPERATOR_KEY`` or
+``MMSERVE_OPERATOR_KEY_FILE``)::
 
     python -m mmserve.serving.keeper --url 127.0.0.1:8000 mm_llm mm_ensemble
 """
@@ -27,7 +37,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from mmserve import operator
+
 logger = logging.getLogger(__name__)
+
+PINNED_UNLOAD_S = 10.0
+"""How long a model may be UNLOADING before the keeper loads it anyway (``ModelKeeper``)."""
 
 
 class ModelKeeper:
@@ -37,6 +52,9 @@ class ModelKeeper:
     interval_s: how often readiness is checked.
     grace_s: how long the watched model must stay not ready before it is loaded back.
     load_timeout_s: how long a load may take (an engine start).
+    pinned_unload_s: how long the watched model may stay UNLOADING before it is loaded anyway (its
+        unload is held by a client: see the module's docstring).
+    operator_key: the operator's key (the repository API is behind it); default: the environment's.
     """
 
     def __init__(
@@ -47,10 +65,15 @@ class ModelKeeper:
         interval_s: float = 0.5,
         grace_s: float = 1.0,
         load_timeout_s: float = 900.0,
+        pinned_unload_s: float = PINNED_UNLOAD_S,
+        operator_key: str | None = None,
     ) -> None:
         self.url = http_url
         self.models = list(models)
         self.interval_s, self.grace_s, self.load_timeout_s = interval_s, grace_s, load_timeout_s
+        self.pinned_unload_s = pinned_unload_s
+        key = operator_key if operator_key is not None else operator.key_from_environment()
+        self._headers = operator.http_headers(key)
         self.loads: list[tuple[str, float]] = []
         """(model, seconds) of every load back, for logs and tests."""
         self._stopping = threading.Event()
@@ -74,26 +97,46 @@ class ModelKeeper:
         except Exception:  # noqa: BLE001 - Triton can't be asked (starting, stopping): not ready
             return False
 
-    @staticmethod
-    def _unloaded(client: Any, model: str) -> bool:
-        """Whether Triton's repository index says ``model`` is UNAVAILABLE: unloaded (by itself,
-        after a fault) or failed to load. Not while it loads, unloads or serves, nor when Triton
-        can't be asked (it is starting or stopping)."""
+    def _state(self, client: Any, model: str) -> str | None:
+        """``model``'s state in Triton's repository index (READY, LOADING, UNLOADING, UNAVAILABLE;
+        the version's, the model's only one here); None when Triton can't be asked (it is starting
+        or stopping) or says something else."""
         try:
-            index = client.get_model_repository_index()
+            index = client.get_model_repository_index(headers=self._headers)
         except Exception:  # noqa: BLE001 - as in _ready
-            return False
+            return None
         states = {entry.get("state") for entry in index if entry.get("name") == model}
-        return states == {"UNAVAILABLE"}
+        return states.pop() if len(states) == 1 else None
+
+    def _unloaded(self, client: Any, model: str) -> bool:
+        """Whether ``model`` is UNAVAILABLE: unloaded (by itself, after a fault) or failed to load.
+        Not while it loads, unloads or serves."""
+        return self._state(client, model) == "UNAVAILABLE"
 
     def run(self) -> None:
         """Watch until ``stop`` (in the calling thread). The repository index, not readiness, tells
         a model that unloaded from one still loading: a fault just after the start is healed too."""
         watched = self.models[0]
         client = self._client(timeout_s=5.0)
+        unloading_since: float | None = None
         try:
             while not self._stopping.wait(self.interval_s):
-                if not self._unloaded(client, watched):
+                state = self._state(client, watched)
+                if state == "UNLOADING":
+                    now = time.monotonic()
+                    unloading_since = unloading_since or now
+                    if now - unloading_since >= self.pinned_unload_s:
+                        logger.warning(
+                            "%s has been unloading for %.0f s: a client holds it (a gRPC stream left open); "
+                            "loading a new instance beside it",
+                            watched,
+                            now - unloading_since,
+                        )
+                        unloading_since = None
+                        self._load_back(client)
+                    continue
+                unloading_since = None
+                if state != "UNAVAILABLE":
                     continue
                 if self._stopping.wait(self.grace_s) or not self._unloaded(client, watched):
                     continue
@@ -112,7 +155,7 @@ class ModelKeeper:
                 logger.warning("%s is not loaded (it unloaded itself after a fault): loading it", model)
                 started = time.monotonic()
                 try:
-                    loader.load_model(model)
+                    loader.load_model(model, headers=self._headers)
                 except (InferenceServerException, OSError) as exc:
                     logger.error("loading %s failed (%s); trying again in 10 s", model, exc)
                     self._stopping.wait(10)

@@ -9,7 +9,6 @@ engine and answers through a ``ResponseSink``).
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import json
 import logging
@@ -33,6 +32,7 @@ from mmserve.families.base import WireDecoder
 from mmserve.inputs import family_of_checkpoint, processed_prompt, read_engine_config
 from mmserve.serving.contract import ENCODED_TENSORS, FEATURE_TENSORS, INPUT_IDS
 from mmserve.serving.outbox import Outbox
+from mmserve.serving.owners import Owner, Owners
 from mmserve.serving.sampling import STRUCTURED_KINDS, ToolCalling, parse_generation_parameters
 
 logger = logging.getLogger(__name__)
@@ -50,10 +50,6 @@ STOP_WAIT_S = 2.0
 responses to go out, the watcher to end (the engine's own stop: ``mmserve.engine.SHUTDOWN_GRACE_S``)."""
 STOPPING = "the server is stopping; retry on another replica or later"
 """What a request refused or ended by a drain or a stop is told (``UNAVAILABLE``)."""
-
-EARLY_CANCEL_S = 60.0
-"""How long a cancel for a request id not in flight (yet) is remembered (``LLMService.cancel``)."""
-MAX_EARLY_CANCELS = 4096
 
 STREAM_FLUSH_MS = 50.0
 """A stream's shortest interval between two responses after its first (``mm_llm``'s
@@ -331,8 +327,7 @@ class LLMService:
         self.health = health or HealthConfig()
         self._on_failure = on_failure
         self._in_flight: dict[str, _InFlight] = {}
-        self._by_client_id: dict[str, str] = {}
-        self._early_cancels: collections.OrderedDict[str, float] = collections.OrderedDict()  # id -> expiry
+        self._owners = Owners()  # who may cancel which request (mmserve.serving.owners)
         self._lock = threading.Lock()
         self._idle = threading.Event()
         self._idle.set()
@@ -367,58 +362,36 @@ class LLMService:
 
     # -- requests ------------------------------------------------------------------------------
     def submit(
-        self, request: GenerateRequest, sink: ResponseSink, request_id: str, *, client_id: str | None = None
+        self, request: GenerateRequest, sink: ResponseSink, request_id: str, *, owner: Owner | None = None
     ) -> None:
-        """Start ``request`` on the engine; responses go to ``sink`` (from the outbox's thread).
-
-        ``client_id`` (the caller's own request id) lets ``cancel`` find the request later.
-        """
+        """Start ``request`` on the engine as ``request_id`` (unique); responses go to ``sink`` (from
+        the outbox's thread). ``owner``: who may ``cancel`` it (None: no one, but its client through
+        its own stream)."""
         flush_ms = self.stream_flush_ms if request.stream_flush_ms is None else request.stream_flush_ms
         entry = _InFlight(sink, flush_s=flush_ms / 1000 if request.stream else 0.0)
         with self._lock:
             refused: ServiceError | None = self._unavailable()
-            if refused is None and self._cancelled_early(client_id):
+            if refused is None and not self._owners.add(owner, request_id):
                 refused = CancelledError("the request was cancelled")
             if refused is None:
                 if not self._in_flight:
                     self._last_progress = time.monotonic()  # the stall clock starts with the work
                 self._in_flight[request_id] = entry
-                if client_id:
-                    self._by_client_id[client_id] = request_id
                 self._idle.clear()
         if refused is not None:
             sink.send_error(refused)
             return
         entry.future = self.runner.submit(self._run(request, entry, request_id))
-        entry.future.add_done_callback(lambda _: self._done(request_id, client_id))
+        entry.future.add_done_callback(lambda _: self._done(request_id, owner))
 
-    def cancel(self, client_id: str) -> bool:
-        """Cancel the request submitted with ``client_id``; False if none is in flight.
-
-        A ``client_id`` not in flight is remembered for ``EARLY_CANCEL_S``: the request may still
-        be on its way (a cancel sent beside an ``mm_ensemble`` request can overtake it while
-        ``preprocess`` runs), and is then answered ``CANCELLED`` when it arrives."""
+    def cancel(self, owner: Owner) -> int:
+        """Cancel ``owner``'s requests in flight; returns how many (0: the cancel is remembered for
+        its request, which may still be on its way: ``mmserve.serving.owners``)."""
         with self._lock:
-            request_id = self._by_client_id.get(client_id, "")
-            entry = self._in_flight.get(request_id)
-            if entry is None:
-                self._early_cancels[client_id] = time.monotonic() + EARLY_CANCEL_S
-                self._early_cancels.move_to_end(client_id)
-                while len(self._early_cancels) > MAX_EARLY_CANCELS:
-                    self._early_cancels.popitem(last=False)
-        if entry is None:
-            return False
-        self._abort(request_id, entry)
-        return True
-
-    def _cancelled_early(self, client_id: str | None) -> bool:
-        """Whether a cancel for ``client_id`` came before its request (holding ``_lock``)."""
-        if not client_id or not self._early_cancels:
-            return False
-        now = time.monotonic()
-        while self._early_cancels and next(iter(self._early_cancels.values())) < now:
-            self._early_cancels.popitem(last=False)
-        return self._early_cancels.pop(client_id, None) is not None
+            entries = [(rid, self._in_flight[rid]) for rid in self._owners.cancel(owner) if rid in self._in_flight]
+        for request_id, entry in entries:
+            self._abort(request_id, entry)
+        return len(entries)
 
     def _abort(self, request_id: str, entry: _InFlight) -> None:
         """Stop a cancelled request on the engine (once); its stream then ends with a final
@@ -430,11 +403,10 @@ class LLMService:
         if engine is not None:
             self.runner.submit(engine.abort(request_id))
 
-    def _done(self, request_id: str, client_id: str | None) -> None:
+    def _done(self, request_id: str, owner: Owner | None) -> None:
         with self._lock:
             self._in_flight.pop(request_id, None)
-            if client_id and self._by_client_id.get(client_id) == request_id:
-                del self._by_client_id[client_id]
+            self._owners.remove(owner, request_id)
             if not self._in_flight:
                 self._idle.set()
 

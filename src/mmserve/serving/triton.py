@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mmserve.errors import public_error
+from mmserve.errors import InputError, public_error
 from mmserve.wire import tagged
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,16 @@ def flag(params: Mapping[str, str], key: str, default: bool = False) -> bool:
 def read_input(pb_utils: Any, request: Any, name: str) -> np.ndarray | None:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()
+
+
+def first_bytes(value: np.ndarray | None, name: str) -> bytes | None:
+    """The first element of a BYTES input (None: not sent, or empty); ``InputError`` if not bytes."""
+    if value is None or value.size == 0:
+        return None
+    item = value.reshape(-1)[0]
+    if not isinstance(item, bytes):
+        raise InputError(f"{name}: expected a BYTES tensor, found {value.dtype}")
+    return item
 
 
 class TritonSink:

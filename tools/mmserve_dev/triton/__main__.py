@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
+from mmserve import operator, settings
 from mmserve.settings import OPENAI_API_KEY
 from mmserve_dev.triton.install import TritonServerError
 from mmserve_dev.triton.process import NEW_PROCESS_GROUP, TritonServer, die_with_this_process
@@ -82,6 +83,19 @@ def stop_gateway(gateway: subprocess.Popen[bytes] | None, *, signalled: bool = F
     except subprocess.TimeoutExpired:
         gateway.kill()
         gateway.wait()
+
+
+def operator_key_origin() -> str:
+    """Where the operator's key of this start is (never the key itself: this goes to logs)."""
+    apis = ", ".join(operator.RESTRICTED_APIS)
+    where = (
+        f"${settings.OPERATOR_KEY.name}"
+        if settings.OPERATOR_KEY.get()
+        else f"the file ${settings.OPERATOR_KEY_FILE.name} names"
+        if settings.OPERATOR_KEY_FILE.get()
+        else f"made for this start; set ${settings.OPERATOR_KEY.name} to choose it"
+    )
+    return f"key ({where}): Triton's {apis} APIs and mm_llm's drain need it (docs/SECURITY.md)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,6 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"HTTP     {server.http_url}", flush=True)
         print(f"gRPC     {server.grpc_url}", flush=True)
         print(f"metrics  {server.metrics_url}", flush=True)
+        print(f"operator {operator_key_origin()}", flush=True)
+        active = ", ".join(w.key for w in server.workarounds())
+        print(f"Triton {server.version or '(release unknown)'}: workarounds active: {active}", flush=True)
         if args.openai_port is not None:
             gateway = start_gateway(server, args.host, args.openai_port, args.openai_api_key)
             print(f"OpenAI   http://127.0.0.1:{args.openai_port}/v1  (chat completions, models; /health)", flush=True)

@@ -18,6 +18,7 @@ import contextlib
 import glob
 import importlib
 import itertools
+import json
 import os
 import re
 import shutil
@@ -33,6 +34,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from mmserve import operator, settings, triton_seam
+from mmserve_dev.triton.connections import end_connections
 from mmserve_dev.triton.install import (
     TritonServerError,
     find_tritonserver,
@@ -160,6 +163,23 @@ def shm_files_mapped(pids: Iterable[int]) -> set[Path]:
         except OSError:
             continue
     return found
+
+
+HELD_CONNECTIONS_AFTER_S = 2.0
+"""After SIGINT, how long a stop waits for tritonserver to exit before it ends the client connections
+the server still holds (``mmserve_dev.triton.connections``): a stop that only unloads takes less."""
+
+
+def _configured_or_new_key() -> str:
+    """The environment's operator key, else a new one (written to ``MMSERVE_OPERATOR_KEY_FILE``
+    when that names a file not there yet, so that the operator can read it)."""
+    key = operator.key_from_environment()
+    if key is not None:
+        return key
+    key = operator.new_key()
+    if path := settings.OPERATOR_KEY_FILE.get():
+        operator.write_key_file(path, key)
+    return key
 
 
 _LIVE_SERVERS: set[TritonServer] = set()
@@ -303,6 +323,14 @@ class TritonServer:
         drain: the model ``stop`` drains first (``mmserve.drain``: ``mm_llm`` for this project's
             repository; None: none), giving the generations in flight ``drain_grace_s`` before they
             are ended UNAVAILABLE, so that the unload that follows has the whole exit timeout.
+        operator_key: the operator's key (``mmserve.operator``): Triton's repository,
+            shared-memory, logging and trace APIs and ``mm_llm``'s drain take only requests that
+            carry it; the server, its stubs, the keeper and the drain get it. Default: the
+            environment's (``MMSERVE_OPERATOR_KEY``, ``MMSERVE_OPERATOR_KEY_FILE``), else a new
+            one per server (written to ``MMSERVE_OPERATOR_KEY_FILE`` when that names a file not
+            there yet).
+        restrict_apis: put those APIs behind the key (on by default; off: every client may call
+            them, as Triton's own default).
     """
 
     def __init__(
@@ -329,6 +357,8 @@ class TritonServer:
         host: str = "127.0.0.1",
         drain: str | None = None,
         drain_grace_s: float = 2.0,
+        operator_key: str | None = None,
+        restrict_apis: bool = True,
     ) -> None:
         if isinstance(model_repository, (str, os.PathLike)):
             model_repository = [model_repository]
@@ -359,12 +389,16 @@ class TritonServer:
         self.keep_loaded = list(keep_loaded)
         self.host = host
         self.drain, self.drain_grace_s = drain, drain_grace_s
+        self.operator_key = operator.check_key(operator_key) if operator_key else _configured_or_new_key()
+        self.restrict_apis = restrict_apis
         self.keeper: ModelKeeper | None = None
         self.process: subprocess.Popen[bytes] | None = None
         self._pgid: int | None = None
         self._log_handle: IO[bytes] | None = None
         self._stop_lock = threading.Lock()
         self._drained = False
+        self.version: str | None = None
+        """The server's release (its ``/v2`` metadata), read once at start (``mmserve.triton_seam``)."""
         self.stop_timeline: list[tuple[float, str]] = []
         """The last stop's phases: (seconds since it began, what ended then), for a slow stop's report."""
 
@@ -385,6 +419,12 @@ class TritonServer:
     def ports(self) -> tuple[int | None, int | None, int | None]:
         """(http, grpc, metrics); chosen at start() for those not given."""
         return (self.http_port, self.grpc_port, self.metrics_port)
+
+    def operator_headers(self, protocol: str = "http") -> dict[str, str]:
+        """The headers (``http``) or metadata (``grpc``) of an operator's call to this server."""
+        return (
+            operator.http_headers(self.operator_key) if protocol == "http" else operator.grpc_headers(self.operator_key)
+        )
 
     @property
     def pid(self) -> int | None:
@@ -423,6 +463,8 @@ class TritonServer:
             cmd.append(f"--model-control-mode={self.model_control_mode}")
         if self.model_control_mode == "explicit":
             cmd += [f"--load-model={m}" for m in self.load_models]
+        if self.restrict_apis:
+            cmd += operator.triton_args(self.operator_key)
         cmd += self.extra_args
         return cmd
 
@@ -441,6 +483,7 @@ class TritonServer:
             path.append(env["PATH"])
         env["PATH"] = os.pathsep.join(path)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env[settings.OPERATOR_KEY.name] = self.operator_key  # mm_llm's drain checks it
         for key, value in self.env_overrides.items():
             if value is None:
                 env.pop(key, None)
@@ -466,13 +509,14 @@ class TritonServer:
             try:
                 self._launch()
                 self._wait_ready(timeout)
+                self.version = self._read_version()
                 if self.drain:  # now, not at the stop: an import can take seconds on a busy machine
                     for module in ("tritonclient.grpc", "mmserve.drain"):
                         importlib.import_module(module)
                 if self.keep_loaded:
                     from mmserve.serving.keeper import ModelKeeper
 
-                    self.keeper = ModelKeeper(self.http_url, self.keep_loaded).start()
+                    self.keeper = ModelKeeper(self.http_url, self.keep_loaded, operator_key=self.operator_key).start()
                 return self
             except TritonServerError as exc:
                 self.stop()
@@ -513,6 +557,17 @@ class TritonServer:
         self._pgid = self.process.pid
         with _LIVE_LOCK:
             _LIVE_SERVERS.add(self)
+
+    def _read_version(self) -> str | None:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2", timeout=5) as resp:
+                return str(json.loads(resp.read())["version"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def workarounds(self) -> tuple[triton_seam.Workaround, ...]:
+        """The ``mmserve.triton_seam`` workarounds this server's release needs (all: release unknown)."""
+        return triton_seam.active(self.version) if self.version else triton_seam.WORKAROUNDS
 
     def _wait_ready(self, timeout: float) -> None:
         assert self.process is not None
@@ -584,7 +639,16 @@ class TritonServer:
                     with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(signal.SIGINT)
                     try:
-                        proc.wait(timeout=max(self.exit_timeout_s - 2.0, 0.0))
+                        try:
+                            proc.wait(timeout=HELD_CONNECTIONS_AFTER_S)
+                        except subprocess.TimeoutExpired:
+                            # Nothing is in flight (drained): what still holds a model is a client's
+                            # connection (mmserve.triton_seam HELD_STREAMS).
+                            if any(w.key == "HELD_STREAMS" for w in self.workarounds()):
+                                ports = (port for port in (self.grpc_port, self.http_port) if port)
+                                ended = sum(end_connections(proc.pid, port) for port in ports)
+                                phase(f"client connections ended: {ended}")
+                            proc.wait(timeout=max(self.exit_timeout_s - 2.0 - HELD_CONNECTIONS_AFTER_S, 0.0))
                     except subprocess.TimeoutExpired:
                         if pgid is not None:
                             phase("no exit yet: stacks dumped into the log")
@@ -642,7 +706,14 @@ class TritonServer:
 
         # A stop has 15 s: past the grace period the drain's answer is awaited 1 s at most (the
         # models' finalize ends whatever is left).
-        return drain(self.grpc_url, self.drain_grace_s, llm=self.drain, answer_margin_s=1.0, on_sent=on_sent)
+        return drain(
+            self.grpc_url,
+            self.drain_grace_s,
+            llm=self.drain,
+            answer_margin_s=1.0,
+            on_sent=on_sent,
+            operator_key=self.operator_key,
+        )
 
     @staticmethod
     def _kill_group(pgid: int, grace: float, phase: Callable[[str], None] = lambda what: None) -> None:
