@@ -33,7 +33,7 @@ import logging
 import os
 from typing import cast
 
-from mmserve.serving.embedded import finish_stub, freeze_startup_heap, prepare_stub, use_utf8_locale
+from mmserve.serving.embedded import arm_deadman_switch, finish_stub, freeze_startup_heap, prepare_stub, use_utf8_locale
 
 use_utf8_locale()  # first: before torch or vLLM read a file (see its docstring)
 
@@ -75,6 +75,7 @@ class TritonPythonModel:
             user_control_tokens=cast(ControlTokenPolicy, config.get("user_control_tokens") or "escape"),
         )
         freeze_startup_heap()
+        arm_deadman_switch()
 
     def execute(self, requests):
         responses = []
