@@ -10,12 +10,13 @@ Contract
   ``apply_chat_template`` (the default) it is the user's message: one user turn holds the images,
   then the audio clips, then the text. Without it, it is the whole raw prompt, placeholders included.
 * ``images``: encoded files (PNG, JPEG, WebP, GIF, BMP, TIFF; no other decoder is ever tried).
-* ``audios``: encoded files (WAV, FLAC, OGG, MP3), mixed down to mono, resampled to the feature
-  extractor's rate.
+* ``audios``: encoded files (WAV, FLAC, OGG, MP3: ``AUDIO_FORMATS``, told from their first bytes
+  before libsndfile sees them), mixed down to mono, resampled to the feature extractor's rate.
 * ``pcm``: ``(samples, sample_rate)`` pairs of mono float PCM; they follow ``audios`` in the prompt.
-* ``videos``: encoded files (MP4, MOV, WebM, MKV: PyAV's FFmpeg), for families with video; every
-  frame decoded as RGB and given to the processor with the file's frame rate (it samples them and
-  times the video by it); in the user turn after the images.
+* ``videos``: encoded files (MP4/MOV or WebM/MKV, told from their first bytes and opened with that
+  FFmpeg demuxer alone; codecs ``VIDEO_CODECS``), for families with video; every frame decoded, those
+  the HF video processor keeps (its own sampling) converted to RGB and given to it with the file's
+  frame rate, which it times the video by; in the user turn after the images.
 * ``messages``: a whole conversation instead of ``text`` (which must then be empty, and
   ``apply_chat_template`` true): UTF-8 JSON (``str`` or ``bytes``), an array of
   ``{"role": "system"|"user"|"assistant"|"tool", "content": <string> | [<part>, ...]}`` (an
@@ -59,17 +60,27 @@ parameter                    default             what it bounds
                                                  ceiling: ``limit_mm_per_prompt`` (1 when it has none); 0
                                                  refuses video
 ``max_video_seconds``        60                  one video, as its stream declares it, then as decoded
-``max_video_frames``         256                 frames decoded per video (decoding stops past it)
+``max_video_frames``         256                 frames decoded per video, as declared, then counted
+                                                 (decoding stops past it); only those the processor keeps
+                                                 are converted to RGB
 ``max_video_frame_pixels``   2073600 (1080p)     width*height of a frame, from the stream's header first,
-                                                 then per decoded frame
+                                                 then from the first frame (all must have its size)
+``max_decoded_bytes``        268435456 (256 MiB) what decoding creates for the request: RGB of the images
+                                                 and of the video frames kept, float32 samples of the
+                                                 audio files (every channel), each item counted from its
+                                                 header before it is decoded
 ``max_prompt_tokens``        32768               ``input_ids`` after expansion (template, text, media
-                                                 placeholders): bounds one request's work and tensors. The
+                                                 placeholders): bounds one request's work and tensors; the
+                                                 placeholder tokens of images and videos (the processor's
+                                                 own count) are counted before they are decoded. The
                                                  engine still checks its own ``max_model_len`` (4096 in
                                                  mm_llm's model.json) and answers with its own message
 ===========================  ==================  ==========================================================
 
 Sample rates must lie in 1..768000 Hz (``MAX_SAMPLE_RATE``): a decoded clip is read no further than
-its duration limit, so a highly compressed "audio bomb" can't expand past it either.
+its duration limit, so a highly compressed "audio bomb" can't expand past it either. With these
+limits one request adds at most ``instance_memory_bound(limits, feature_bytes_per_token)`` to an
+instance's resident memory (2.97 GiB at the defaults for Qwen vision; docs/RELIABILITY.md, Limits).
 
 Errors
 ------
@@ -108,17 +119,30 @@ from mmserve.serving.preprocess.limits import (
     PreprocessError,
     PreprocessLimits,
     available_cores,
+    instance_memory_bound,
     threads_per_instance,
 )
-from mmserve.serving.preprocess.media import IMAGE_FORMATS, MAX_SAMPLE_RATE, payload_bytes
+from mmserve.serving.preprocess.media import (
+    AUDIO_FORMATS,
+    AUDIO_IN_VIDEO_CODECS,
+    IMAGE_FORMATS,
+    MAX_SAMPLE_RATE,
+    VIDEO_CODECS,
+    VIDEO_CONTAINERS,
+    payload_bytes,
+)
 from mmserve.serving.preprocess.messages import decode_text, parse_messages
 from mmserve.serving.preprocess.processor import Preprocessor
 from mmserve.serving.preprocess.request import PreprocessRequest, parse_preprocess_request
 
 __all__ = [
+    "AUDIO_FORMATS",
+    "AUDIO_IN_VIDEO_CODECS",
     "CONTROL_TOKEN_POLICIES",
     "IMAGE_FORMATS",
     "MAX_SAMPLE_RATE",
+    "VIDEO_CODECS",
+    "VIDEO_CONTAINERS",
     "ControlTokenPolicy",
     "PreprocessError",
     "PreprocessLimits",
@@ -126,6 +150,7 @@ __all__ = [
     "Preprocessor",
     "available_cores",
     "decode_text",
+    "instance_memory_bound",
     "parse_messages",
     "parse_preprocess_request",
     "payload_bytes",

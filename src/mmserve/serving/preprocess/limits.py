@@ -43,6 +43,10 @@ class PreprocessLimits:
     max_video_seconds: float = 60.0
     max_video_frames: int = 256
     max_video_frame_pixels: int = 2_073_600
+    max_decoded_bytes: int = 256 * MiB
+    """Bytes decoding may create for one request: RGB of its images and of the video frames the
+    processor keeps, float32 samples of its audio files (all channels), each counted before it is
+    allocated."""
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -92,6 +96,24 @@ class PreprocessLimits:
                     f"of {engine} {modality} items (mm_llm/model.json); leave it empty to follow it"
                 )
         return cls(**values)
+
+
+def instance_memory_bound(limits: PreprocessLimits, feature_bytes_per_token: int) -> int:
+    """The most one ``preprocess`` instance's resident memory grows above its idle size for any one
+    request ``limits`` accept (docs/RELIABILITY.md, Limits; measured by tests/test_media_budget.py):
+
+    * 4 x ``max_decoded_bytes``: the decoded media (RGB of the images and of the video frames kept,
+      float32 samples of the audio files, all counted before they are decoded) and the HF
+      processor's working copies of them (its resize works on float32 copies of the pixels);
+    * 3 x ``max_prompt_tokens`` x ``feature_bytes_per_token``: the processor's float32 output and
+      its working copies (every image and video placeholder token is counted before decoding);
+    * 256 MiB: what is decoded one image or frame at a time, the decoders' own buffers, the
+      feature extractor's work on the audio, the allocator's slack.
+
+    ``feature_bytes_per_token``: bytes of processor features per placeholder token; Qwen vision
+    (Qwen2.5-VL, Qwen2.5-Omni): merge² x temporal patch x patch² x 3 channels x 4 bytes = 18816.
+    """
+    return 4 * limits.max_decoded_bytes + 3 * limits.max_prompt_tokens * feature_bytes_per_token + 256 * MiB
 
 
 def available_cores() -> int:

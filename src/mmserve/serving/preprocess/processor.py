@@ -48,6 +48,84 @@ FALLBACK_AUDIO_SECONDS = 30.0
 # What the HF processor raises on inputs it can't handle; anything else is a fault of ours.
 _PROCESSOR_REJECTIONS = (ValueError, IndexError, TypeError, ArithmeticError, RuntimeError)
 
+# What the HF video processor's preprocess takes out of its keyword arguments before it samples
+# frames with the rest (transformers 5.19, ``BaseVideoProcessor.preprocess``).
+_NOT_FOR_SAMPLING = ("input_data_format", "do_convert_rgb", "do_sample_frames", "device", "video_metadata")
+
+
+class HFProcessorPlan:
+    """What the HF processor will make of a medium (``media.ProcessorPlan``), asked before the
+    medium is decoded: the frames its video processor keeps (so that only those are converted and
+    held) and the placeholder tokens of an image or a video (so that a request over
+    ``max_prompt_tokens`` is refused before its media are decoded and processed).
+
+    Its settings are those a processor call without media options gives the video and image
+    processors (the processor's defaults merged with theirs, ``ProcessorMixin._merge_kwargs``).
+    Where the video processor samples frames (``do_sample_frames``), the frames kept here go to it
+    with ``do_sample_frames=False`` and their indices in the metadata (``frames_indices``): the
+    frames, ``sampled_fps`` and so every output are the processor's own on the whole video. Token
+    counts are the processors' own (``get_num_of_video_patches``, ``get_number_of_image_patches``,
+    over merge²) where those are their outputs' counts (a resize by size alone), else unknown.
+    ``tests/test_media_budget.py`` compares both with the processor's outputs.
+    """
+
+    def __init__(self, processor: Any) -> None:
+        self.video_processor = getattr(processor, "video_processor", None)
+        self.image_processor = getattr(processor, "image_processor", None)
+        try:
+            merged = processor._merge_kwargs(
+                processor.valid_processor_kwargs, tokenizer_init_kwargs=processor.tokenizer.init_kwargs
+            )
+        except (AttributeError, TypeError, KeyError):  # a processor unlike ProcessorMixin's: nothing is known
+            self.video_processor = self.image_processor = None
+            merged = {"videos_kwargs": {}, "images_kwargs": {}}
+        kwargs = dict(merged["videos_kwargs"])
+        for name in getattr(self.video_processor, "valid_kwargs", dict).__annotations__:
+            kwargs.setdefault(name, getattr(self.video_processor, name, None))
+        self.samples = self.video_processor is not None and bool(kwargs.get("do_sample_frames"))
+        """Whether the video processor samples frames (else it takes every frame it is given)."""
+        self.video_kwargs = {name: value for name, value in kwargs.items() if name not in _NOT_FOR_SAMPLING}
+        self.images_kwargs = dict(merged["images_kwargs"])
+
+    def kept(self, total: int, fps: float, width: int, height: int) -> list[int] | None:
+        processor = self.video_processor
+        if not self.samples or processor is None:
+            return None
+        from transformers.video_utils import VideoMetadata
+
+        metadata = VideoMetadata(total_num_frames=total, fps=fps, width=width, height=height)
+        indices = processor.sample_frames(metadata=metadata, **self.video_kwargs)
+        return [int(index) for index in np.asarray(indices).reshape(-1)]
+
+    def video_tokens(self, frames: int, width: int, height: int) -> int | None:
+        kwargs, processor = self.video_kwargs, self.video_processor
+        count = getattr(processor, "get_num_of_video_patches", None)
+        if count is None or not kwargs.get("do_resize") or kwargs.get("cap_pixels_per_frame"):
+            return None  # no resize, or one bounded by the whole video's pixels: not this count
+        if kwargs.get("min_pixels") is not None or kwargs.get("max_pixels") is not None:
+            return None
+        return self._tokens(lambda: count(frames, height, width, kwargs), kwargs.get("merge_size") or processor)
+
+    def image_tokens(self, width: int, height: int) -> int | None:
+        kwargs, processor = self.images_kwargs, self.image_processor
+        count = getattr(processor, "get_number_of_image_patches", None)
+        if count is None or not getattr(processor, "do_resize", False):
+            return None
+        if {"size", "min_pixels", "max_pixels", "do_resize", "patch_size", "merge_size"} & set(kwargs):
+            return None  # call options the count does not read as the processor does
+        return self._tokens(lambda: count(height, width, {}), processor)
+
+    @staticmethod
+    def _tokens(patches: Callable[[], int], merge: Any) -> int | None:
+        """``patches()`` over merge² (``merge``: the size, or the processor that has it)."""
+        size = merge if isinstance(merge, int) else getattr(merge, "merge_size", None)
+        if not size:
+            return None
+        try:
+            return int(patches()) // size**2
+        except _PROCESSOR_REJECTIONS:  # e.g. an extreme aspect ratio: the processor will name it
+            return None
+
 
 class Preprocessor:
     """The HF processor of one checkpoint, applied to raw requests within ``limits``.
@@ -107,6 +185,7 @@ class Preprocessor:
         self._tokenizer_for_text = self._tokenizer_matches_processor()
         self._min_audio_samples: int | None = None  # found on the first too-short clip
         self._wire_decoders: dict[str, WireDecoder] | None = None  # loaded by the first decode_wire
+        self.plan = HFProcessorPlan(self.processor) if {"image", "video"} & self.modalities else None
         self._configure(limits or PreprocessLimits(), user_control_tokens)
 
     def with_settings(
@@ -126,7 +205,7 @@ class Preprocessor:
         self.limits = limits
         self.max_audio_seconds = self._max_audio_seconds()
         self.user_control_tokens = user_control_tokens
-        self.media = MediaDecoder(limits, self.max_audio_seconds, self.audio_window_s, self.sampling_rate)
+        self.media = MediaDecoder(limits, self.max_audio_seconds, self.audio_window_s, self.sampling_rate, self.plan)
 
     def _audio_window(self, extractor: Any) -> float | None:
         """The longest clip: the feature extractor's window, or less where the family's encoder
@@ -269,6 +348,11 @@ class Preprocessor:
         if videos:
             kwargs["videos"] = [video.frames for video in videos]
             kwargs["video_metadata"] = [video.metadata() for video in videos]
+            # Frames as decoded: channels first (what the processor converts them to), those it keeps.
+            videos_kwargs: dict[str, Any] = {"input_data_format": "channels_first"}
+            if self.plan is not None and self.plan.samples:
+                videos_kwargs["do_sample_frames"] = False  # sampled while decoding (HFProcessorPlan)
+            kwargs["videos_kwargs"] = videos_kwargs
             tracks = [video.audio.samples for video in videos if video.audio is not None]
             if tracks:  # every video's (use_audio_in_video), and no other audio
                 kwargs["use_audio_in_video"] = True
@@ -303,7 +387,7 @@ class Preprocessor:
             self._blame_clip(clip)
 
     def _blame_video(self, video: Video) -> None:
-        frames, height, width, _ = video.frames.shape
+        frames, height, width = video.total_frames, video.height, video.width
         try:
             processed = self._run_processor(self.chat_prompt("", 0, 0, 1), [], [], [video])
         except _PROCESSOR_REJECTIONS as exc:
@@ -462,9 +546,12 @@ class Preprocessor:
             raise PreprocessError(
                 "use_audio_in_video: audio and audio_pcm must be absent (vLLM takes a video's own audio only then)"
             )
-        pil_images = [self.media.image(i, data) for i, data in enumerate(images)]
-        decoded_videos = [self.media.video(i, data, with_audio=with_audio) for i, data in enumerate(videos)]
-        clips = self.media.clips(audios, pcm)
+        budget = self.media.budget()  # max_decoded_bytes and max_prompt_tokens, shared by the items in this order
+        pil_images = [self.media.image(i, data, budget) for i, data in enumerate(images)]
+        decoded_videos = [
+            self.media.video(i, data, with_audio=with_audio, budget=budget) for i, data in enumerate(videos)
+        ]
+        clips = self.media.clips(audios, pcm, budget)
 
         what = "text_input" if conversation is None else "messages"
         runs: list[Run] | None = None
