@@ -129,7 +129,13 @@ HEALTHCHECK --interval=30s --timeout=10s --start-period=900s --retries=3 \
 # the keeper loads it back (docs/RELIABILITY.md). On SIGTERM tritonserver finishes what is in flight
 # and unloads the models within --exit-timeout-secs (Triton's default, spelled out): stop the container
 # with more time than that (docker run --stop-timeout=40; Kubernetes: terminationGracePeriodSeconds).
-CMD ["tritonserver", "--model-repository=/opt/mmserve/model_repository", \
+# `python3 -m mmserve.operator` puts Triton's repository, shared-memory, logging and trace APIs (and
+# mm_llm's drain) behind the operator's key, then execs tritonserver: the key is MMSERVE_OPERATOR_KEY
+# (a secret), else the file MMSERVE_OPERATOR_KEY_FILE names, else a new one written there
+# (docs/SECURITY.md).
+ENV MMSERVE_OPERATOR_KEY_FILE=/tmp/mmserve-operator-key
+CMD ["python3", "-m", "mmserve.operator", \
+     "tritonserver", "--model-repository=/opt/mmserve/model_repository", \
      "--model-control-mode=explicit", "--load-model=*", \
      "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", \
      "--exit-timeout-secs=30", \

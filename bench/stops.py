@@ -8,7 +8,12 @@ States (each its own server start, ``--rounds`` times):
   OpenAI stream through the gateway), each must end with one final answer;
 * ``bad-and-cancelled``: bad inputs of every kind and cancelled streams, then the stop;
 * ``healed``: the engine core SIGKILLed, the model healed (serving again), then the stop;
-* ``gateway``: 30 OpenAI chat requests through the gateway (some streamed), then the stop.
+* ``gateway``: 30 OpenAI chat requests through the gateway (some streamed), then the stop;
+* ``attacked``: a hostile client's traffic (docs/SECURITY.md) -- drains without the operator's key,
+  the repository, shared-memory and logging APIs without it, cancels of another client's stream
+  and of an id not in use yet, a grid that overflows int64, streams cancelled mid-generation, two
+  gRPC streams held open (one whose request Triton itself refused), the engine core SIGKILLed and
+  healed with those streams open -- then the stop, the streams still held open through it.
 
 Busy machine: from just before the signal until the stop ends, a CPU hog on every core and a
 second vLLM engine starting (``--no-busy``: neither). A stop passes when the launcher exits 0 within
@@ -46,7 +51,7 @@ if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageParam
 
 ROOT = Path(__file__).resolve().parents[1]
-STATES = ("idle", "in-flight", "bad-and-cancelled", "healed", "gateway")
+STATES = ("idle", "in-flight", "bad-and-cancelled", "healed", "gateway", "attacked")
 START_TIMEOUT_S = 600.0
 HEAL_TIMEOUT_S = 300.0
 
@@ -265,6 +270,110 @@ def gateway_traffic(served: Served) -> None:
             list(sdk.chat.completions.create(model="mm_ensemble", messages=messages, max_tokens=16, stream=True))
 
 
+class HeldStream:
+    """A client's gRPC stream with one request, kept open until ``close`` (tests/utils.py has its twin)."""
+
+    def __init__(self, url: str, model: str, tensors: dict[str, np.ndarray], request_id: str) -> None:
+        import queue
+
+        import grpc
+        from tritonclient.grpc import service_pb2_grpc
+        from tritonclient.grpc._utils import _get_inference_request
+
+        from mmserve.client import grpc_inputs
+
+        request = _get_inference_request(
+            model_name=model,
+            inputs=grpc_inputs(tensors),
+            model_version="",
+            request_id=request_id,
+            outputs=None,
+            sequence_id=0,
+            sequence_start=False,
+            sequence_end=False,
+            priority=0,
+            timeout=None,
+            parameters=None,
+        )
+        self._outgoing: queue.Queue[object] = queue.Queue()
+        self._outgoing.put(request)
+        self.answers: list[str] = []
+        self._channel = grpc.insecure_channel(url)
+        self._stream = service_pb2_grpc.GRPCInferenceServiceStub(self._channel).ModelStreamInfer(
+            iter(self._outgoing.get, None)
+        )
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(Exception):
+            for message in self._stream:
+                self.answers.append(message.error_message or "ok")
+
+    def close(self) -> None:
+        self._outgoing.put(None)
+        self._thread.join(5)
+        self._channel.close()
+
+
+def attacked(served: Served) -> list[HeldStream]:
+    """A hostile client's traffic (see the module's docstring); returns the streams it holds open."""
+    import urllib.error
+    import urllib.request
+
+    import tritonclient.grpc as grpcclient
+
+    from mmserve.client import ClientError, MMClient, cancel_on_engine, grpc_inputs, new_cancel_key
+    from mmserve.drain import drain
+
+    client = MMClient(served.grpc_url, timeout=60)
+    for key in ("", "not-the-operator-key-0123456789"):
+        drain(served.grpc_url, 0.0, answer_margin_s=5.0, operator_key=key)
+    region = next(name for name in os.listdir("/dev/shm") if name.startswith(f"mmserve_{served.process.pid}_"))
+    for method, path, body in (
+        ("POST", "/v2/repository/models/mm_llm/unload", b"{}"),
+        (
+            "POST",
+            f"/v2/systemsharedmemory/region/{region}/register",
+            json.dumps({"key": f"/{region}", "offset": 0, "byte_size": 64}).encode(),
+        ),
+        ("POST", "/v2/logging", b'{"log_verbose_level": 3}'),
+    ):
+        request = urllib.request.Request(f"http://127.0.0.1:{served.http}{path}", body, method=method)
+        with contextlib.suppress(urllib.error.HTTPError):
+            urllib.request.urlopen(request, timeout=10).close()
+    with client.start("Count.", max_tokens=300, ignore_eos=True) as victim:  # another's cancels reach nothing
+        next(iter(victim))
+        cancel_on_engine(served.grpc_url, victim.request_id, new_cancel_key())
+        assert sum(len(r.output_ids) for r in victim) >= 290, "the victim was cancelled"
+    cancel_on_engine(served.grpc_url, "1", new_cancel_key())
+    grid: dict[str, np.ndarray] = {
+        "input_ids": np.arange(8, dtype=np.int64),
+        "image_embeds": np.zeros((2, 128), np.float32),
+        "image_grid_thw": np.array([[1, 4611686018427387906, 24]], np.int64),
+    }
+    with contextlib.suppress(ClientError), client.start_tensors(grid, model="mm_llm") as refused:
+        list(refused)
+    for k in range(5):  # streams cancelled mid-generation, the way a client that goes away does
+        raw = grpcclient.InferenceServerClient(served.grpc_url)
+        raw.start_stream(callback=lambda result, error: None)
+        raw.async_stream_infer("mm_ensemble", grpc_inputs(_text_request(f"Count {k}.", True, 2000)))
+        time.sleep(0.3)
+        raw.stop_stream(cancel_requests=True)
+        raw.close()
+    held = [
+        HeldStream(
+            served.grpc_url,
+            "mm_llm",
+            {"input_ids": np.arange(4, dtype=np.int64), "pixel_values": np.zeros((1, 1176), np.float16)},
+            "held-refused",
+        ),
+        HeldStream(served.grpc_url, "mm_ensemble", _text_request("Hi", False, 2), "held-served"),
+    ]
+    healed(served)
+    return held
+
+
 # -- a busy machine --------------------------------------------------------------------------------------
 class Busy:
     """A CPU hog per core and a second vLLM engine starting, until ``stop``."""
@@ -300,8 +409,11 @@ def stop_in(state: str, round_: int, model: str, busy: bool, limit_s: float) -> 
     served = Served(model)
     answers: Callable[[], list[str]] | None = None
     keep_log = False
+    held: list[HeldStream] = []
     try:
-        if state == "bad-and-cancelled":
+        if state == "attacked":
+            held = attacked(served)
+        elif state == "bad-and-cancelled":
             bad_and_cancelled(served)
         elif state == "healed":
             healed(served)
@@ -355,6 +467,8 @@ def stop_in(state: str, round_: int, model: str, busy: bool, limit_s: float) -> 
             result.answers.append(f"log: {served.log.name}")
         return result
     finally:
+        for stream in held:
+            stream.close()
         served.kill()
         if not keep_log:
             with contextlib.suppress(OSError):

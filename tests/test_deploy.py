@@ -15,6 +15,7 @@ import ast
 import copy
 import fnmatch
 import json
+import os
 import re
 import shutil
 import signal
@@ -423,3 +424,49 @@ def test_dockerfiles_copy_only_what_the_build_context_holds(dockerfile):
         assert not fnmatch.fnmatch(source, "*[*?]*"), source
         assert (ROOT / source).exists(), source
         assert _dockerignore_allows(source.rstrip("/")), f"{source} is left out of the build context by .dockerignore"
+
+
+def test_the_image_puts_the_operators_apis_behind_a_key(tmp_path):
+    """The GPU image's command runs tritonserver through ``mmserve.operator``, which adds the
+    restricted-API flags with the operator's key and gives the key to the server's environment (for
+    mm_llm's drain): a key of its own, written 0600 where the keeper and the drain read it, and the
+    same key at the next start (a container restart in the same pod)."""
+    from mmserve import operator
+
+    cmd = _gpu_cmd()
+    assert cmd[:4] == ["python3", "-m", "mmserve.operator", "tritonserver"]
+    key_file = tmp_path / "operator-key"
+    env = {**os.environ, "MMSERVE_OPERATOR_KEY_FILE": str(key_file)}
+    env.pop("MMSERVE_OPERATOR_KEY", None)
+    show = [sys.executable, "-c", "import os, sys; print(os.environ['MMSERVE_OPERATOR_KEY']); print(*sys.argv[1:])"]
+    runs = [
+        subprocess.run(
+            [sys.executable, "-m", "mmserve.operator", *show, "--model-repository=x"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+        for _ in range(2)
+    ]
+    key = key_file.read_text().strip()
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert runs[0] == runs[1] == [key, " ".join(["--model-repository=x", *operator.triton_args(key)])]
+    assert len(key) >= operator.MIN_KEY_CHARS
+
+
+def test_the_server_the_keeper_and_the_drain_share_the_operators_key():
+    deployment = _one("Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    paths = []
+    for name in ("triton", "keeper"):
+        container = _container(deployment, name)
+        env = {entry["name"]: entry for entry in container["env"]}
+        secret = env["MMSERVE_OPERATOR_KEY"]["valueFrom"]["secretKeyRef"]
+        assert secret["optional"] is True  # the pod starts without the Secret: a key of its own then
+        path = env["MMSERVE_OPERATOR_KEY_FILE"]["value"]
+        [mount] = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        assert volumes[mount["name"]]["emptyDir"]["medium"] == "Memory"
+        paths.append((mount["name"], path))
+    assert paths[0] == paths[1]  # the drain runs in the triton container (its preStop): same env

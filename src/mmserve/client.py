@@ -389,7 +389,8 @@ class Generation:
         self.request_id = request_id or uuid.uuid4().hex
         if "cancel_key" not in tensors:
             tensors = {**tensors, "cancel_key": np.array([new_cancel_key()], dtype=np.object_)}
-        self.cancel_key: bytes = tensors["cancel_key"].reshape(-1)[0]
+        sent = tensors["cancel_key"].reshape(-1)
+        self.cancel_key: bytes = sent[0] if sent.size else b""  # empty: sent without one (not cancellable)
         inputs = grpc_inputs(tensors)
         self._answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
         self._finished = False

@@ -112,3 +112,39 @@ def is_operator(expected: str | None, given: bytes | str | None) -> bool:
     if isinstance(given, str):
         given = given.encode("utf-8", "replace")
     return hmac.compare_digest(expected.encode(), given)
+
+
+def key_for_this_start(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The operator's key of a server about to start, and where it came from: the environment's, or
+    a new one -- written to ``MMSERVE_OPERATOR_KEY_FILE`` when that names a file not there yet
+    (the keeper and the drain beside the server read it there), else known to this start only."""
+    key = key_from_environment(environ)
+    if key is not None:
+        return key, "configured"
+    environ = os.environ if environ is None else environ
+    key = new_key()
+    if path := environ.get(settings.OPERATOR_KEY_FILE.name, "").strip():
+        write_key_file(path, key)
+        return key, f"made for this start, in {path}"
+    return key, "made for this start"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mmserve.operator tritonserver ARGS...``: run tritonserver with the operator's APIs
+    behind the key (``triton_args``) and the key in its environment (for ``mm_llm``'s drain): the
+    image's command. The key: ``key_for_this_start``."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(main.__doc__, file=sys.stderr)
+        return 2
+    key, origin = key_for_this_start()
+    print(f"mmserve: the operator's key: {origin}; {', '.join(RESTRICTED_APIS)} and the drain need it", file=sys.stderr)
+    os.environ[settings.OPERATOR_KEY.name] = key
+    os.execvp(argv[0], [*argv, *triton_args(key)])
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

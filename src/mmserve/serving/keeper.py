@@ -72,12 +72,19 @@ class ModelKeeper:
         self.models = list(models)
         self.interval_s, self.grace_s, self.load_timeout_s = interval_s, grace_s, load_timeout_s
         self.pinned_unload_s = pinned_unload_s
-        key = operator_key if operator_key is not None else operator.key_from_environment()
-        self._headers = operator.http_headers(key)
+        self._key = operator_key
         self.loads: list[tuple[str, float]] = []
         """(model, seconds) of every load back, for logs and tests."""
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self.run, name="mmserve-model-keeper", daemon=True)
+
+    @property
+    def _headers(self) -> dict[str, str]:
+        """The operator's headers; the environment's key is read until there is one (a key file the
+        server writes at its start may come after the keeper's)."""
+        if self._key is None:
+            self._key = operator.key_from_environment()
+        return operator.http_headers(self._key)
 
     def start(self) -> ModelKeeper:
         if self.models:

@@ -170,18 +170,6 @@ HELD_CONNECTIONS_AFTER_S = 2.0
 the server still holds (``mmserve_dev.triton.connections``): a stop that only unloads takes less."""
 
 
-def _configured_or_new_key() -> str:
-    """The environment's operator key, else a new one (written to ``MMSERVE_OPERATOR_KEY_FILE``
-    when that names a file not there yet, so that the operator can read it)."""
-    key = operator.key_from_environment()
-    if key is not None:
-        return key
-    key = operator.new_key()
-    if path := settings.OPERATOR_KEY_FILE.get():
-        operator.write_key_file(path, key)
-    return key
-
-
 _LIVE_SERVERS: set[TritonServer] = set()
 _LIVE_LOCK = threading.Lock()
 _SERVER_COUNTER = itertools.count()
@@ -389,7 +377,7 @@ class TritonServer:
         self.keep_loaded = list(keep_loaded)
         self.host = host
         self.drain, self.drain_grace_s = drain, drain_grace_s
-        self.operator_key = operator.check_key(operator_key) if operator_key else _configured_or_new_key()
+        self.operator_key = operator.check_key(operator_key) if operator_key else operator.key_for_this_start()[0]
         self.restrict_apis = restrict_apis
         self.keeper: ModelKeeper | None = None
         self.process: subprocess.Popen[bytes] | None = None
