@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -52,6 +53,7 @@ def start_gateway(server: TritonServer, host: str, port: int, api_key: str | Non
             str(port),
             "--log-level",
             "warning",
+            *media_limits(server),
         ]
     )
     env = None if api_key is None else {**os.environ, OPENAI_API_KEY.name: api_key}
@@ -69,6 +71,19 @@ def start_gateway(server: TritonServer, host: str, port: int, api_key: str | Non
             time.sleep(0.3)
     stop_gateway(gateway)
     raise TritonServerError(f"the OpenAI gateway did not answer within {GATEWAY_START_TIMEOUT_S:.0f} s")
+
+
+def media_limits(server: TritonServer) -> list[str]:
+    """The gateway's ``--limit-mm-per-prompt``: the served engine's own (``limit_mm_per_prompt`` of
+    ``mm_llm/model.json`` in the server's first repository), so that the gateway counts a request's
+    media against what the server takes; none where there is no such file."""
+    from mmserve.inputs import mm_limits
+
+    engine = server.model_repositories[0] / "mm_llm" / "model.json"
+    if not engine.is_file():
+        return []
+    limits = mm_limits(json.loads(engine.read_text()))
+    return ["--limit-mm-per-prompt", json.dumps(limits)] if limits else []
 
 
 def stop_gateway(gateway: subprocess.Popen[bytes] | None, *, signalled: bool = False) -> None:
