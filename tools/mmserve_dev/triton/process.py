@@ -384,7 +384,7 @@ class TritonServer:
         self._pgid: int | None = None
         self._log_handle: IO[bytes] | None = None
         self._stop_lock = threading.Lock()
-        self._drained = False
+        self._drained = self._drain_answered = False
         self.version: str | None = None
         """The server's release (its ``/v2`` metadata), read once at start (``mmserve.triton_seam``)."""
         self.stop_timeline: list[tuple[float, str]] = []
@@ -518,7 +518,7 @@ class TritonServer:
         raise AssertionError("unreachable")
 
     def _launch(self) -> None:
-        self._drained = False
+        self._drained = self._drain_answered = False
         auto = free_ports(3)
         self.http_port, self.grpc_port, self.metrics_port = (
             fixed if fixed is not None else picked for fixed, picked in zip(self._fixed_ports, auto, strict=True)
@@ -626,17 +626,26 @@ class TritonServer:
                     signalled = time.monotonic()
                     with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(signal.SIGINT)
+                    # What still holds a model once nothing is in flight is a client's connection
+                    # (mmserve.triton_seam HELD_STREAMS): ended HELD_CONNECTIONS_AFTER_S after the
+                    # signal when the drain answered (every request ended), else half-way to the
+                    # exit timeout, by when the models' finalize has answered every request.
+                    # Never earlier: a connection cut while a request's last responses are on
+                    # their way loses them (and on 2.51 can leak the request: server#8078).
+                    cut_after = (
+                        HELD_CONNECTIONS_AFTER_S
+                        if self._drain_answered
+                        else max(HELD_CONNECTIONS_AFTER_S, self.exit_timeout_s / 2)
+                    )
                     try:
                         try:
-                            proc.wait(timeout=HELD_CONNECTIONS_AFTER_S)
+                            proc.wait(timeout=cut_after)
                         except subprocess.TimeoutExpired:
-                            # Nothing is in flight (drained): what still holds a model is a client's
-                            # connection (mmserve.triton_seam HELD_STREAMS).
                             if any(w.key == "HELD_STREAMS" for w in self.workarounds()):
                                 ports = (port for port in (self.grpc_port, self.http_port) if port)
                                 ended = sum(end_connections(proc.pid, port) for port in ports)
                                 phase(f"client connections ended: {ended}")
-                            proc.wait(timeout=max(self.exit_timeout_s - 2.0 - HELD_CONNECTIONS_AFTER_S, 0.0))
+                            proc.wait(timeout=max(self.exit_timeout_s - 2.0 - cut_after, 0.0))
                     except subprocess.TimeoutExpired:
                         if pgid is not None:
                             phase("no exit yet: stacks dumped into the log")
@@ -694,7 +703,7 @@ class TritonServer:
 
         # A stop has 15 s: past the grace period the drain's answer is awaited 1 s at most (the
         # models' finalize ends whatever is left).
-        return drain(
+        self._drain_answered = drain(
             self.grpc_url,
             self.drain_grace_s,
             llm=self.drain,
@@ -702,6 +711,7 @@ class TritonServer:
             on_sent=on_sent,
             operator_key=self.operator_key,
         )
+        return self._drain_answered
 
     @staticmethod
     def _kill_group(pgid: int, grace: float, phase: Callable[[str], None] = lambda what: None) -> None:
