@@ -8,6 +8,7 @@ turns one item's tensors into its placeholder count. Nothing else in the project
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -109,6 +110,8 @@ class ModalitySpec(ABC):
                 expected=f"the fields {sorted(self.required_field_names)}",
                 found=f"{sorted(data)} (missing {missing})",
             )
+        import torch
+
         tensors: dict[str, torch.Tensor] = {}
         for spec in self.fields:
             if spec.optional and numel(data.get(spec.name)) == 0:
@@ -121,11 +124,11 @@ class ModalitySpec(ABC):
                     expected="a floating-point tensor (the HF processor's normalized output)",
                     found=f"dtype {tensor.dtype}",
                 )
-            if not spec.is_float and (tensor.is_floating_point() or tensor.is_complex()):
+            if not spec.is_float and tensor.dtype not in _integer_dtypes():
                 raise ProcessedInputError(
                     self.modality,
                     field=spec.name,
-                    expected="an integer tensor",
+                    expected="an integer tensor (int64, int32, int16, int8, uint8 or bool)",
                     found=f"dtype {tensor.dtype}",
                 )
             if spec.is_float and tensor.numel() and (bad := non_finite_count(tensor)):
@@ -136,6 +139,14 @@ class ModalitySpec(ABC):
                     field=spec.name,
                     expected="finite values",
                     found=f"{bad} NaN/Inf value(s)",
+                )
+            if tensor.dtype == torch.float64 and tensor.numel() and (wide := _beyond_float32_count(tensor)):
+                # The engine casts features to the model's dtype, float32 at most: 1e300 is Inf there.
+                raise ProcessedInputError(
+                    self.modality,
+                    field=spec.name,
+                    expected="values within float32's range (the engine computes in the model's dtype)",
+                    found=f"{wide} value(s) beyond it",
                 )
             if tensor.ndim != spec.ndim:
                 raise ProcessedInputError(
@@ -151,8 +162,24 @@ class ModalitySpec(ABC):
     def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
         """Check shapes and values across fields; raise ``ProcessedInputError``.
 
+        Every number that reaches a shape, an index, an allocation or a position in the engine must
+        be bounded here by what the model can hold, with sums and products of the client's numbers
+        in Python's exact integers (``tensor.tolist()``), never in int64 tensor arithmetic, which
+        wraps around (a grid of t*h*w = 1 * (2**62 + 2) * 24 is 48 in int64): an input this accepts
+        must not fail inside the engine (``tests/test_property_engine.py``).
+
         ``hf_config`` (here and below) is the model's HF config as vLLM's processing info of the
         family's model returns it (``get_hf_config()``: Qwen2.5-Omni's ``thinker_config``)."""
+
+    def validate_limits(
+        self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig, *, max_model_len: int
+    ) -> None:
+        """Check what depends on the engine's configuration, after ``validate`` accepted ``data``:
+        ``max_model_len`` is the engine's context length (a prompt and its generation together).
+        Raise ``ProcessedInputError``. The pass-through checks one bound itself for every family:
+        a request's placeholders of this modality (``expected_tokens``) leave room for one generated
+        token. Default: nothing more."""
+        return None
 
     @abstractmethod
     def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
@@ -311,14 +338,35 @@ class FamilySpec:
         return {"architectures": [self.passthrough_architecture]}
 
 
+def _beyond_float32_count(tensor: torch.Tensor) -> int:
+    """How many values of a finite float64 tensor float32 can't hold (they would be Inf in it)."""
+    array = tensor.detach().cpu().numpy()
+    return int(np.count_nonzero(np.abs(array) > np.finfo(np.float32).max))
+
+
+@functools.cache
+def _integer_dtypes() -> frozenset[torch.dtype]:
+    """The integer dtypes a field may come in: those every operation on it, here and in the engine
+    (sums, products, comparisons, indexing), has kernels for. torch's uint16/32/64 lack most (a
+    ``prod`` of a uint64 grid raises inside vLLM's processor), so they are refused."""
+    import torch
+
+    return frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool})
+
+
 def as_tensor(value: Any, modality: str, field: str) -> torch.Tensor:
-    """Accept torch tensors and numpy arrays (what Triton hands over)."""
+    """Accept torch tensors and numpy arrays of numbers (what Triton hands over)."""
     import torch
 
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value))
+        try:
+            return torch.from_numpy(np.ascontiguousarray(value))
+        except TypeError:  # object, string, datetime, ... arrays: no tensor of them
+            raise ProcessedInputError(
+                modality, field=field, expected="a numeric array", found=f"dtype {value.dtype}"
+            ) from None
     raise ProcessedInputError(
         modality, field=field, expected="a torch.Tensor or numpy.ndarray", found=type(value).__name__
     )

@@ -4,6 +4,7 @@ only pick these up with their own placeholder tokens."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,9 +83,38 @@ def _content_id(kind: str, *arrays: np.ndarray) -> str:
     return f"mmserve:{kind}:{hasher.hexdigest()}"
 
 
+MROPE_POSITIONS_FACTOR = 4
+"""vLLM 0.32's ``MRotaryEmbedding`` default ``positions_factor``, which the Qwen2 language model of
+Qwen2.5-VL and of the Qwen2.5-Omni thinker keeps (``get_rope``'s ``mrope_positions_factor``)."""
+
+
+def rotary_positions(hf_config: PretrainedConfig) -> int:
+    """Rows of the language model's M-RoPE cos/sin table in vLLM 0.32: every position of a request
+    (prompt and generation) indexes it, and one at or past its end fails in the engine core (an
+    IndexError on CPU, a device-side assert on a GPU: the core dies, and every request with it).
+
+    vLLM builds the table (``vllm/model_executor/layers/rotary_embedding/mrope.py``) over the text
+    config's ``max_position_embeddings`` (``original_max_position_embeddings`` under YaRN) times
+    ``MROPE_POSITIONS_FACTOR``: "the maximum index value is related to the duration of the input
+    video", since a video's time positions step by seconds, not by tokens (``QwenVisionVideo``).
+    131072 for the tiny checkpoints and Qwen2.5-Omni-7B (32768 x 4), 512000 for Qwen2.5-VL-7B."""
+    text = hf_config.get_text_config()
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    base = text.max_position_embeddings
+    if rope.get("rope_type") == "yarn" and rope.get("original_max_position_embeddings"):
+        base = rope["original_max_position_embeddings"]
+    return int(base) * MROPE_POSITIONS_FACTOR
+
+
+def _grid_rows(grid: Any) -> list[tuple[int, int, int]]:
+    """A ``(items, 3)`` grid as Python integers: exact, where int64 tensor arithmetic on the
+    client's numbers wraps around."""
+    return [(int(t), int(h), int(w)) for t, h, w in grid.tolist()]
+
+
 def _check_patch_rows(field: str, rows: int, grid: Any, modality: str = "image") -> None:
     """``rows`` patches are what the ``{modality}_grid_thw`` (``grid``) says: the sum of t*h*w."""
-    expected = int(grid.prod(-1).sum())
+    expected = sum(t * h * w for t, h, w in _grid_rows(grid))
     if rows != expected:
         raise ProcessedInputError(
             modality,
@@ -106,15 +136,19 @@ def _check_patches(modality: str, field: str, pixels: Any, grid: Any, patch_dim:
     _check_patch_rows(field, pixels.shape[0], grid, modality)
 
 
-def _check_grid(modality: str, grid: Any, merge: int) -> None:
+def _check_grid(modality: str, grid: Any, merge: int, positions: int) -> list[tuple[int, int, int]]:
     """``{modality}_grid_thw``: (items >= 1, 3) of positive (t, h, w), h and w multiples of the
-    spatial merge size."""
+    spatial merge size, each item's placeholders (t*h*w / merge**2, in exact integers) within the
+    model's ``positions`` (``rotary_positions``): then no product or sum of them comes near int64's
+    range, here or in the engine (whose M-RoPE builds an index array of t x h/merge x w/merge per
+    item). Returns the grid's rows as Python integers."""
     field = f"{modality}_grid_thw"
     if grid.shape[1] != 3 or grid.shape[0] == 0:
         raise ProcessedInputError(
             modality, field=field, expected=f"shape ({modality}s >= 1, 3)", found=f"shape {tuple(grid.shape)}"
         )
-    for index, (t, h, w) in enumerate(grid.tolist()):
+    rows = _grid_rows(grid)
+    for index, (t, h, w) in enumerate(rows):
         if min(t, h, w) <= 0 or h % merge or w % merge:
             raise ProcessedInputError(
                 modality,
@@ -123,6 +157,16 @@ def _check_grid(modality: str, grid: Any, merge: int) -> None:
                 expected=f"positive (t, h, w) with h and w multiples of spatial_merge_size={merge}",
                 found=f"({t}, {h}, {w})",
             )
+        if t * h * w // merge**2 > positions:
+            raise ProcessedInputError(
+                modality,
+                item=index,
+                field=field,
+                expected=f"at most {positions} placeholder tokens (t*h*w/{merge * merge}): the positions of "
+                "the model's M-RoPE table",
+                found=f"({t}, {h}, {w}): {t * h * w // merge**2} tokens",
+            )
+    return rows
 
 
 def _vision(hf_config: PretrainedConfig) -> tuple[int, int]:
@@ -131,6 +175,19 @@ def _vision(hf_config: PretrainedConfig) -> tuple[int, int]:
     channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", 3)
     patch_dim = channels * vision.temporal_patch_size * vision.patch_size**2
     return patch_dim, vision.spatial_merge_size
+
+
+def _patches_per_item(grid: Any) -> torch.Tensor:
+    """Each item's patch rows (t*h*w) of a validated grid, for vLLM's ``flat_from_sizes``."""
+    import torch
+
+    return torch.tensor([t * h * w for t, h, w in _grid_rows(grid)], dtype=torch.int64)
+
+
+def _item_tokens(grid: Any, merge: int) -> int:
+    """Placeholders of one item's (t, h, w): t*h*w / merge**2, in exact integers."""
+    t, h, w = (int(v) for v in grid.tolist())
+    return t * h * w // merge**2
 
 
 class QwenVisionImage(ModalitySpec):
@@ -234,12 +291,11 @@ class QwenVisionImage(ModalitySpec):
         patches, grid = tensors.get("pixel_values_uint8"), tensors.get("image_grid_thw")
         if patches is None or grid is None or grid.ndim != 2 or grid.shape[1] != 3:
             return None
-        rows = grid.astype(np.int64).prod(-1)  # they add up to the patches' rows: the decoder checked
-        if (rows <= 0).any():
+        rows = [t * h * w for t, h, w in _grid_rows(grid)]  # exact: int64 products of a grid wrap around
+        if min(rows, default=0) <= 0 or sum(rows) != patches.shape[0]:
             return None  # refused by the checks of the decoded fields, with their message
-        return [
-            _content_id("image-uint8", grid[i], part) for i, part in enumerate(np.split(patches, np.cumsum(rows)[:-1]))
-        ]
+        offsets = np.cumsum(rows)[:-1]
+        return [_content_id("image-uint8", grid[i], part) for i, part in enumerate(np.split(patches, offsets))]
 
     def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
         self.validate_layout(data, hf_config, patches="pixel_values")
@@ -250,10 +306,10 @@ class QwenVisionImage(ModalitySpec):
         """Every field, the patches (``patches``) only if named (``VisionEmbeddings`` has none)."""
         grid = data["image_grid_thw"]
         patch_dim, merge = _vision(hf_config)
-        _check_grid("image", grid, merge)
+        rows = _check_grid("image", grid, merge, rotary_positions(hf_config))
         if patches is not None:
             _check_patches("image", patches, data[patches], grid, patch_dim)
-        for index, (t, h, w) in enumerate(grid.tolist()):
+        for index, (t, h, w) in enumerate(rows):
             if t != 1:  # vLLM's M-RoPE asserts it for images, in the engine
                 raise ProcessedInputError(
                     "image",
@@ -267,13 +323,13 @@ class QwenVisionImage(ModalitySpec):
         from mmserve.vllm_seam import MultiModalFieldConfig
 
         return {
-            "pixel_values": MultiModalFieldConfig.flat_from_sizes("image", data["image_grid_thw"].prod(-1)),
+            "pixel_values": MultiModalFieldConfig.flat_from_sizes("image", _patches_per_item(data["image_grid_thw"])),
             "image_grid_thw": MultiModalFieldConfig.batched("image"),
         }
 
     def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
         _, merge = _vision(hf_config)
-        return int(item["image_grid_thw"].prod()) // merge**2
+        return _item_tokens(item["image_grid_thw"], merge)
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"image_grid_thw={item['image_grid_thw'].tolist()}"
@@ -286,19 +342,42 @@ class QwenVisionVideo(ModalitySpec):
     One video of patch grid (t, h, w) occupies ``t*h*w / spatial_merge_size**2`` placeholder tokens
     (the HF processor's rule: ``video_grid_thw.prod() // merge_size**2``); ``second_per_grid_ts``
     (seconds per temporal patch) sets the video's M-RoPE time positions.
+
+    Its positions, as vLLM 0.32 computes them (``Qwen2_5_VLForConditionalGeneration.
+    get_mrope_input_positions``, the Omni thinker's and ``vllm_seam.OmniAudioInVideo``'s alike): from
+    ``start``, the position after the text before it, temporal patch k at ``start + int(k * seconds *
+    tokens_per_second)``, rows and columns at ``start + 0 .. h/merge - 1`` and ``start + 0 .. w/merge -
+    1``; whatever follows (text, generated tokens) continues after the largest. So a video takes
+    ``max(int((t - 1) * seconds * tokens_per_second) + 1, h/merge, w/merge)`` positions for its
+    ``t*h*w/merge**2`` tokens (with its audio track: the audio's tokens take one position each, and
+    its delimiters none more than their tokens), and the positions a video takes beyond its tokens,
+    its *excess* ``max(0, int((t - 1) * seconds * tokens_per_second) + 1 - t*h*w/merge**2)``, are
+    what a request's positions run ahead of its tokens: every other item (an image: ``max(h, w)/merge``
+    positions for ``h*w/merge**2`` tokens; audio: one per token) and every text or generated token
+    takes no more positions than tokens. A request's largest position is therefore below
+    ``max_model_len + sum of its videos' excess``, which must stay within the rotary table
+    (``rotary_positions``): ``validate_limits`` bounds the excess so.
     """
 
     modality = "video"
 
     def __init__(
-        self, placeholder_token: str, *, seconds_field: str = "second_per_grid_ts", audio_in_video: bool = False
+        self,
+        placeholder_token: str,
+        *,
+        seconds_field: str = "second_per_grid_ts",
+        audio_in_video: bool = False,
+        tokens_per_second: float = 1.0,
     ) -> None:
         """``seconds_field``: the HF processor's name for ``second_per_grid_ts`` where it differs
         (Qwen2.5-Omni's ``video_second_per_grid``): a wire field, renamed by ``wire_decoder``.
         ``audio_in_video``: the family takes a video with its audio track (``AudioInVideo``), told by
-        the optional field ``use_audio_in_video``."""
+        the optional field ``use_audio_in_video``. ``tokens_per_second``: M-RoPE time positions per
+        second where the vision config has no ``tokens_per_second``, as vLLM's model class defaults
+        it (Qwen2.5-VL 1.0, the Qwen2.5-Omni thinker 25)."""
         self.placeholder_token = placeholder_token
         self.seconds_field = seconds_field
+        self.default_tokens_per_second = tokens_per_second
         if seconds_field != "second_per_grid_ts":
             self.wire_fields = (
                 FieldSpec(
@@ -368,7 +447,8 @@ class QwenVisionVideo(ModalitySpec):
         """Every field, the patches (``patches``) only if named (``VisionEmbeddings`` has none)."""
         grid, seconds = data["video_grid_thw"], data["second_per_grid_ts"]
         patch_dim, merge = _vision(hf_config)
-        _check_grid("video", grid, merge)
+        positions = rotary_positions(hf_config)
+        rows = _check_grid("video", grid, merge, positions)
         if patches is not None:
             _check_patches("video", patches, data[patches], grid, patch_dim)
         if tuple(seconds.shape) != (grid.shape[0],):
@@ -378,7 +458,8 @@ class QwenVisionVideo(ModalitySpec):
                 expected=f"shape ({grid.shape[0]},) (one per video of video_grid_thw)",
                 found=f"shape {tuple(seconds.shape)}",
             )
-        for index, value in enumerate(seconds.tolist()):
+        per_second = self.tokens_per_second(hf_config)
+        for index, ((t, _, _), value) in enumerate(zip(rows, seconds.tolist(), strict=True)):
             if not value > 0:  # vLLM reads 0 as "not given" (1 s per patch)
                 raise ProcessedInputError(
                     "video",
@@ -386,6 +467,19 @@ class QwenVisionVideo(ModalitySpec):
                     field="second_per_grid_ts",
                     expected="a positive number of seconds",
                     found=str(value),
+                )
+            # This video's own time positions (above) within the table, whatever else the request
+            # holds; max(t - 1, 1): seconds * tokens_per_second finite and small for t = 1 too (vLLM
+            # multiplies the temporal index 0 by it: 0 * Inf is NaN, an index of -2**63).
+            if not math.isfinite(value) or max(t - 1, 1) * value * per_second >= positions:
+                raise ProcessedInputError(
+                    "video",
+                    item=index,
+                    field="second_per_grid_ts",
+                    expected=f"a positive number of seconds below {positions / (max(t - 1, 1) * per_second):.6g} "
+                    f"for t={t}: the last temporal patch's M-RoPE time position, (t - 1) * seconds * "
+                    f"tokens_per_second={per_second:g}, within the model's {positions} positions",
+                    found=repr(value),
                 )
         flags = data.get("use_audio_in_video")
         if flags is not None and tuple(flags.shape) != (grid.shape[0],):
@@ -395,12 +489,59 @@ class QwenVisionVideo(ModalitySpec):
                 expected=f"shape ({grid.shape[0]},) (one per video of video_grid_thw)",
                 found=f"shape {tuple(flags.shape)}",
             )
+        if flags is not None and not set(flags.tolist()) <= {0, 1}:
+            raise ProcessedInputError(
+                "video",
+                field="use_audio_in_video",
+                expected="booleans (0 or 1)",
+                found=f"values {sorted(set(flags.tolist()))[:6]}",
+            )
+
+    def tokens_per_second(self, hf_config: PretrainedConfig) -> float:
+        """M-RoPE time positions per second of video, as vLLM's model class reads it."""
+        return float(getattr(hf_config.vision_config, "tokens_per_second", self.default_tokens_per_second))
+
+    def validate_limits(
+        self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig, *, max_model_len: int
+    ) -> None:
+        """The videos' excess positions (the class's docstring) within the rotary table past a whole
+        context of ``max_model_len`` tokens: then no position of the request, whatever it generates,
+        reaches the table's end. The same arithmetic as vLLM's, in Python floats and integers: its
+        ``(np.arange(t) * t_factor).astype(np.int64)`` with ``t_factor = seconds * tokens_per_second``.
+
+        Measured at the bound (``tests/test_property_engine.py``, Qwen2.5-VL, max_model_len 2048): a
+        video at this budget generates to the end of the context; at the budget + 1 too (the last
+        token sampled is never fed back: one position of margin); at the budget + 2 the engine core
+        indexed position 131072 of a 131072-row table and died (without this check)."""
+        _, merge = _vision(hf_config)
+        positions = rotary_positions(hf_config)
+        per_second = self.tokens_per_second(hf_config)
+        budget = positions - max_model_len
+        excess = 0
+        rows = _grid_rows(data["video_grid_thw"])
+        for index, ((t, h, w), value) in enumerate(zip(rows, data["second_per_grid_ts"].tolist(), strict=True)):
+            time_positions = int((t - 1) * (value * per_second)) + 1
+            excess += max(0, time_positions - t * h * w // merge**2)
+            if excess > budget:
+                raise ProcessedInputError(
+                    "video",
+                    item=index,
+                    field="second_per_grid_ts",
+                    expected=f"at most {budget} M-RoPE positions beyond the videos' tokens over the request's "
+                    f"videos (the model's {positions} positions less max_model_len={max_model_len}; a video "
+                    f"takes int((t - 1) * seconds * {per_second:g}) + 1 time positions for t*h*w/{merge * merge} "
+                    "tokens)",
+                    found=f"{excess} up to this video ({time_positions} time positions for video_grid_thw="
+                    f"{[t, h, w]} at {value!r} seconds per temporal patch)",
+                )
 
     def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
         from mmserve.vllm_seam import MultiModalFieldConfig
 
         config = {
-            "pixel_values_videos": MultiModalFieldConfig.flat_from_sizes("video", data["video_grid_thw"].prod(-1)),
+            "pixel_values_videos": MultiModalFieldConfig.flat_from_sizes(
+                "video", _patches_per_item(data["video_grid_thw"])
+            ),
             "video_grid_thw": MultiModalFieldConfig.batched("video"),
             "second_per_grid_ts": MultiModalFieldConfig.batched("video", keep_on_cpu=True),
         }
@@ -410,7 +551,7 @@ class QwenVisionVideo(ModalitySpec):
 
     def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
         _, merge = _vision(hf_config)
-        return int(item["video_grid_thw"].prod()) // merge**2
+        return _item_tokens(item["video_grid_thw"], merge)
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"video_grid_thw={item['video_grid_thw'].tolist()}"
@@ -504,6 +645,34 @@ def whisper_output_length(mel_frames: int) -> int:
     return (after_conv - 2) // 2 + 1
 
 
+def _check_valid_frames(field: str, index: int, length: int, max_frames: int) -> None:
+    """A clip's valid mel frames: at most the encoder's ``max_frames`` (its position table) and
+    enough for one output (3: 2 frames give none)."""
+    if length < 2 or length > max_frames:
+        raise ProcessedInputError(
+            "audio", item=index, field=field, expected=f"between 2 and {max_frames} valid frames", found=f"{length}"
+        )
+    if whisper_output_length(length) <= 0:
+        raise ProcessedInputError(
+            "audio",
+            item=index,
+            field=field,
+            expected="at least 3 valid frames (fewer give no encoder output)",
+            found=f"{length}",
+        )
+
+
+MAX_LOG_MEL = 64.0
+"""The largest magnitude of a log-mel feature ``WhisperAudio`` takes. Whisper's extractor gives
+``(max(log10(mel power), its max - 8) + 4) / 4`` (the power floored at 1e-10 first): at least
+(-10 + 4) / 4 = -1.5, and at most about 22 for any float32 waveform (a power spectrum of 400-sample
+frames below (400 * 3.4e38)**2, log10 83). Far larger finite values overflow the audio encoder's
+float32 arithmetic (1e25 did on the tiny checkpoints, Qwen2.5-Omni's and Qwen2-Audio's alike), and
+the NaN keys and values it writes poison vLLM's CPU KV cache for the next, unrelated requests (which
+answered token 0: ``tests/test_property_engine.py`` checks the next request after every accepted
+input)."""
+
+
 class WhisperAudio(ModalitySpec):
     """Audio through a Whisper-style encoder (Qwen2-Audio, Qwen2.5-Omni).
 
@@ -549,6 +718,14 @@ class WhisperAudio(ModalitySpec):
                 expected=f"{audio.num_mel_bins} mel bins",
                 found=f"shape {tuple(features.shape)}",
             )
+        if features.numel() and (peak := float(features.detach().abs().max())) > MAX_LOG_MEL:
+            raise ProcessedInputError(
+                "audio",
+                field="input_features",
+                expected=f"log-mel values within [-{MAX_LOG_MEL:g}, {MAX_LOG_MEL:g}] (a Whisper feature extractor "
+                "gives [-1.5, 22] for any float32 waveform)",
+                found=f"{int((features.detach().abs() > MAX_LOG_MEL).sum())} value(s) beyond, up to {peak:g} in magnitude",
+            )
         max_frames = 2 * audio.max_source_positions
         if self.fixed_frames and frames != max_frames:
             raise ProcessedInputError(
@@ -581,14 +758,7 @@ class WhisperAudio(ModalitySpec):
                     expected="a prefix of ones followed by zeros",
                     found="ones after a zero",
                 )
-            if whisper_output_length(length) <= 0 or length > max_frames:
-                raise ProcessedInputError(
-                    "audio",
-                    item=index,
-                    field="feature_attention_mask",
-                    expected=f"between 2 and {max_frames} valid frames",
-                    found=f"{length}",
-                )
+            _check_valid_frames("feature_attention_mask", index, length, max_frames)
 
     def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
         from mmserve.vllm_seam import MultiModalFieldConfig
@@ -723,7 +893,7 @@ class VisionEmbeddings(ModalitySpec):
         self.features.validate_layout(data, hf_config)
         grid = data[f"{self.modality}_grid_thw"]
         _, merge = _vision(hf_config)
-        rows = int(grid.prod(-1).sum()) // merge**2
+        rows = sum(t * h * w // merge**2 for t, h, w in _grid_rows(grid))
         rule = f"sum of t*h*w/{merge * merge} over {self.modality}_grid_thw"
         _check_embeddings(self.modality, self.embeds, data[self.embeds], rows, hf_config, rule)
 
@@ -731,10 +901,15 @@ class VisionEmbeddings(ModalitySpec):
         from mmserve.vllm_seam import MultiModalFieldConfig
 
         _, merge = _vision(hf_config)
-        sizes = data[f"{self.modality}_grid_thw"].prod(-1) // merge**2
+        sizes = _patches_per_item(data[f"{self.modality}_grid_thw"]) // merge**2
         config = dict(self.features.fields_config(data, hf_config))
         del config[self.patches]
         return {self.embeds: MultiModalFieldConfig.flat_from_sizes(self.modality, sizes), **config}
+
+    def validate_limits(
+        self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig, *, max_model_len: int
+    ) -> None:
+        self.features.validate_limits(data, hf_config, max_model_len=max_model_len)
 
     def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
         return self.features.expected_tokens(item, hf_config)
@@ -777,14 +952,7 @@ class AudioEmbeddings(ModalitySpec):
             )
         max_frames = 2 * hf_config.audio_config.max_source_positions
         for index, length in enumerate(lengths.tolist()):
-            if whisper_output_length(length) <= 0 or length > max_frames:
-                raise ProcessedInputError(
-                    "audio",
-                    item=index,
-                    field="audio_feature_lengths",
-                    expected=f"between 2 and {max_frames} valid frames",
-                    found=f"{length}",
-                )
+            _check_valid_frames("audio_feature_lengths", index, length, max_frames)
         rows = sum(whisper_output_length(length) for length in lengths.tolist())
         rule = "((L - 1) // 2 + 1 - 2) // 2 + 1 per clip of L valid frames"
         _check_embeddings("audio", "audio_embeds", data["audio_embeds"], rows, hf_config, rule)

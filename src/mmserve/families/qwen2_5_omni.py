@@ -13,7 +13,9 @@ from mmserve.families.qwen import (
 
 _IMAGE = QwenVisionImage("<|IMAGE|>")
 _AUDIO = WhisperAudio("<|AUDIO|>", fixed_frames=False)
-_VIDEO = QwenVisionVideo("<|VIDEO|>", seconds_field="video_second_per_grid", audio_in_video=True)
+# tokens_per_second: vLLM's thinker reads it from the vision config, 25 where it has none (the HF
+# config's position_id_per_seconds)
+_VIDEO = QwenVisionVideo("<|VIDEO|>", seconds_field="video_second_per_grid", audio_in_video=True, tokens_per_second=25)
 
 QWEN2_5_OMNI = FamilySpec(
     name="qwen2_5_omni",

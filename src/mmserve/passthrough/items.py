@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from mmserve.errors import ProcessedInputError
 from mmserve.families.base import ModalitySpec
 from mmserve.vllm_seam import DictEmbeddingItems
 
@@ -25,9 +26,21 @@ class ProcessedItems(DictEmbeddingItems):
     with an identity of that form instead, its ``multi_modal_uuids``: ``ModalitySpec.wire_item_ids``).
     """
 
-    def __init__(self, data: Mapping[str, Any], spec: ModalitySpec, hf_config: PretrainedConfig) -> None:
+    def __init__(
+        self,
+        data: Mapping[str, Any],
+        spec: ModalitySpec,
+        hf_config: PretrainedConfig,
+        *,
+        max_model_len: int | None = None,
+    ) -> None:
+        """``max_model_len``: the engine's context length, for the checks that depend on it
+        (``ModalitySpec.validate_limits``, and the placeholders' total); None: the model's own
+        bounds only (``validate``)."""
         tensors = spec.check_fields(data)
         spec.validate(tensors, hf_config)
+        if max_model_len is not None:
+            spec.validate_limits(tensors, hf_config, max_model_len=max_model_len)
         super().__init__(
             tensors,
             spec.modality,
@@ -37,6 +50,23 @@ class ProcessedItems(DictEmbeddingItems):
         )
         self.spec = spec
         self.hf_config = hf_config
+        if max_model_len is not None:
+            self._check_total(max_model_len)
+
+    def _check_total(self, max_model_len: int) -> None:
+        """The items' placeholders fit one prompt with room for a generated token: a prompt of
+        ``max_model_len`` tokens or more is refused by vLLM anyway, this says which item overflows."""
+        total = 0
+        for index, count in enumerate(self.expected_tokens()):
+            total += count
+            if total > max_model_len - 1:
+                raise ProcessedInputError(
+                    self.spec.modality,
+                    item=index,
+                    expected=f"at most {max_model_len - 1} placeholder tokens over the request's "
+                    f"{self.spec.modality} items (max_model_len={max_model_len}, less one token to generate)",
+                    found=f"{total} up to this item ({self.spec.describe_item(self.get(index))})",
+                )
 
     def get_item_for_hash(self, index: int) -> object:
         # Field order fixed so that equal content always hashes equal.

@@ -55,7 +55,8 @@ class PassthroughInfoMixin(vllm_seam.ProcessingInfoHooks):
     def parse_own(self, modality: str, data: Any, hf_config: PretrainedConfig) -> ProcessedItems:
         spec = self.family.spec_for(modality, data)
         assert spec is not None
-        return ProcessedItems(data, spec, hf_config)
+        max_model_len = self.ctx.model_config.max_model_len  # type: ignore[attr-defined]
+        return ProcessedItems(data, spec, hf_config, max_model_len=max_model_len)
 
 
 class PassthroughProcessorMixin(vllm_seam.MultiModalProcessorHooks):
