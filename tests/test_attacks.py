@@ -16,6 +16,7 @@ budget's peak RSS (test_media_budget.py) and the processed-input bounds against 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import secrets
@@ -134,6 +135,26 @@ def test_the_operator_grpc_protocols_refuse_a_client_without_the_key(triton, ref
     finally:
         client.close()
     assert _ready(triton) == (200, 200, 200)
+    _good_request_still_served(triton, references)
+
+
+def test_a_chunked_body_that_kills_triton_251_is_refused_at_the_http_port(triton, references):
+    """One request of 600,000 one-byte chunks crashes tritonserver 2.51's HTTP frontend
+    (CVE-2025-23310/23311; tests/test_http_guard.py shows it on an unguarded server): the launcher's
+    HTTP front refuses it, and the server serves on."""
+    import socket
+
+    host, port = triton.http.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v2/models/preprocess/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Type: application/json\r\n\r\n"
+        )
+        with contextlib.suppress(OSError):  # the front answers at the head and closes
+            sock.sendall(b"1\r\n \r\n" * 600_000 + b"0\r\n\r\n")
+        answer = sock.recv(200)
+    assert answer.startswith(b"HTTP/1.1 411"), answer
+    assert triton.server.is_running() and _ready(triton) == (200, 200, 200)
     _good_request_still_served(triton, references)
 
 

@@ -56,3 +56,31 @@ def test_the_server_under_test_is_the_release_the_workarounds_were_measured_on(s
         assert client.get_server_metadata().version == triton_seam.TRITON_TESTED
     finally:
         client.close()
+
+
+def test_the_workarounds_a_release_needs():
+    """A workaround fixed in a release is active before it and not from it on; those with no known
+    fix are active everywhere."""
+    by_key = {w.key: w for w in triton_seam.WORKAROUNDS}
+    fixed = [w for w in triton_seam.WORKAROUNDS if w.fixed_in]
+    assert by_key["HTTP_FRONT_GUARD"].fixed_in == "2.59.0" and by_key["HTTP_FRONT_GUARD"] in fixed
+    tested = {w.key for w in triton_seam.active(triton_seam.TRITON_TESTED)}
+    image = {w.key for w in triton_seam.active(triton_seam.TRITON_IMAGE)}
+    assert tested == {w.key for w in triton_seam.WORKAROUNDS}  # 2.51 needs every one
+    assert image == tested - {w.key for w in fixed}
+    assert triton_seam.release("2.51.0") < triton_seam.release("2.59.0") < triton_seam.release("2.62.0dev")
+
+
+@pytest.mark.server
+def test_the_launcher_read_the_release_and_applies_what_it_needs(server):
+    """The launcher read the served release at its start (``TritonServer.version``) and applies the
+    workarounds it carries for that release: the HTTP port is the guard's (tritonserver's own HTTP
+    endpoint on another port, on loopback)."""
+    if server.server is None:
+        pytest.skip("an external server: its release is the operator's")
+    triton = server.server
+    assert triton.version == triton_seam.TRITON_TESTED
+    assert {w.key for w in triton.workarounds()} >= {"HELD_STREAMS", "HTTP_FRONT_GUARD"}
+    assert triton.http_guard and triton._guard is not None and triton._guard.port == triton.http_port
+    assert f"--http-port={triton.http_port}" not in triton.command()
+    assert "--http-address=127.0.0.1" in triton.command()

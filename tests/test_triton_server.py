@@ -176,13 +176,17 @@ def test_ready_and_metadata(server: TritonServer) -> None:
         config = grpc.get_model_config("repeat", as_json=True)["config"]
         assert config["model_transaction_policy"]["decoupled"] is True
 
-    # Every endpoint listens on loopback only.
+    # Every endpoint listens on loopback only: gRPC and metrics in tritonserver, HTTP in the launcher
+    # (its front, HTTP_FRONT_GUARD) with tritonserver's own HTTP endpoint behind it.
     listening = {
         c.laddr.port: c.laddr.ip
-        for c in psutil.Process(server.pid).net_connections(kind="tcp")
+        for pid in (server.pid, os.getpid())
+        for c in psutil.Process(pid).net_connections(kind="tcp")
         if c.status == psutil.CONN_LISTEN
     }
-    for port in (server.http_port, server.grpc_port, server.metrics_port):
+    own = {c.laddr.port for c in psutil.Process(server.pid).net_connections(kind="tcp")}
+    assert server.http_port not in own and server._http_backend_port in own
+    for port in (server.http_port, server._http_backend_port, server.grpc_port, server.metrics_port):
         addr = ipaddress.ip_address(listening[port])  # gRPC listens on ::ffff:127.0.0.1
         addr = getattr(addr, "ipv4_mapped", None) or addr
         assert addr == ipaddress.ip_address("127.0.0.1"), listening
@@ -463,7 +467,9 @@ def test_cli_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
         assert f"HTTP     127.0.0.1:{http}" in out and f"gRPC     127.0.0.1:{grpc}" in out, out
         assert f"metrics  http://127.0.0.1:{metrics}/metrics" in out, out
         if sig == signal.SIGTERM:
-            assert f"Started HTTPService at 127.0.0.1:{http}" in out, out
+            assert f"Started GRPCInferenceService at 127.0.0.1:{grpc}" in out, out
+            # the key is on tritonserver's command line, never in what the launcher prints or logs
+            assert "--http-restricted-api=" in out and "mmserve-operator-key=<operator key>" in out, out
         descendants = psutil.Process(proc.pid).children(recursive=True)
         assert descendants
         proc.send_signal(sig)
@@ -493,8 +499,10 @@ def test_the_bind_address_is_a_setting(tmp_path: Path) -> None:
             **({} if host == "127.0.0.1" else {"host": host}),  # type: ignore[arg-type]
         )
         command = server.command()
-        for endpoint in ("http", "grpc", "metrics"):
+        for endpoint in ("grpc", "metrics"):
             assert f"--{endpoint}-address={host}" in command
+        # HTTP: tritonserver's own endpoint on loopback, the launcher's front on ``host`` (HTTP_FRONT_GUARD)
+        assert server.http_guard and "--http-address=127.0.0.1" in command
         assert (server.http_url, server.grpc_url) == ("127.0.0.1:1", "127.0.0.1:2")
 
 

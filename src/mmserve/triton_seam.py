@@ -152,6 +152,20 @@ WORKAROUNDS = (
         "the stream ends); servers run without the launcher (the GPU image) keep Triton's stop",
     ),
     Workaround(
+        "HTTP_FRONT_GUARD",
+        "the HTTP frontend predates 25.07's fixes (CVE-2025-23310/23311): one request with a chunked "
+        "body of 600,000 one-byte chunks, or JSON nested 100,000 deep, kills tritonserver (measured); "
+        "a Content-Length is a memory reservation",
+        "the CPU launcher binds tritonserver's HTTP endpoint to 127.0.0.1 and puts a front on the HTTP "
+        "port that refuses chunked and compressed bodies, oversized heads and bodies and deep JSON "
+        "before a byte reaches Triton, and relays the rest byte for byte",
+        ("tools/mmserve_dev/triton/http_guard.py", "tools/mmserve_dev/triton/process.py"),
+        "a relay in the launcher's process: about 15-25 us of CPU per streamed event, 70-120 us per "
+        "small request (measured); Triton sees every HTTP client as 127.0.0.1",
+        "2.59 (Triton 25.07's security bulletin); the GPU image (2.62) runs without it",
+        fixed_in="2.59.0",
+    ),
+    Workaround(
         "READ_STREAM_TO_END",
         "closing a stream whose request Triton is completing crashes tritonserver",
         "the gateway reads a finished request's stream to its end (the empty final response) before it closes it",

@@ -1,6 +1,7 @@
 """An HTTP/1.1 front for tritonserver 2.51's HTTP endpoint: it refuses, before a byte reaches
 Triton, the requests that 2.51's frontend cannot take safely, and relays everything else byte for
-byte.
+byte (``mmserve.triton_seam`` HTTP_FRONT_GUARD: ``TritonServer`` puts it on the HTTP port where the
+release needs it).
 
 Why: the CPU stack runs the ``tritonserver`` 2.51 of the nvidia-pytriton wheel (no newer wheel), and
 its HTTP frontend predates the fixes of Triton 25.07 (2.59): CVE-2025-23310 and CVE-2025-23311. Its
@@ -263,7 +264,7 @@ class _Request:
             raise _Refusal(400, f"{len(values)} {name} headers: one is taken")
         if _DIGITS.fullmatch(values[0]) is None:
             raise _Refusal(400, f"{name} {values[0][:40]!r} is not a number")
-        digits = values[0].lstrip(b"0")
+        digits = values[0].lstrip(b"0") or b"0"
         return int(digits) if len(digits) <= 18 else 1 << 62  # beyond any limit, without int()'s cost
 
 

@@ -36,6 +36,7 @@ from typing import IO, TYPE_CHECKING
 
 from mmserve import operator, settings, triton_seam
 from mmserve_dev.triton.connections import end_connections
+from mmserve_dev.triton.http_guard import HttpGuard
 from mmserve_dev.triton.install import (
     TritonServerError,
     find_tritonserver,
@@ -319,6 +320,9 @@ class TritonServer:
             there yet).
         restrict_apis: put those APIs behind the key (on by default; off: every client may call
             them, as Triton's own default).
+        http_guard: put ``mmserve_dev.triton.http_guard.HttpGuard`` on the HTTP port, with
+            tritonserver's own HTTP endpoint on 127.0.0.1 behind it (``mmserve.triton_seam``
+            HTTP_FRONT_GUARD). Default: where the release the launcher runs needs it.
     """
 
     def __init__(
@@ -347,6 +351,7 @@ class TritonServer:
         drain_grace_s: float = 2.0,
         operator_key: str | None = None,
         restrict_apis: bool = True,
+        http_guard: bool | None = None,
     ) -> None:
         if isinstance(model_repository, (str, os.PathLike)):
             model_repository = [model_repository]
@@ -379,6 +384,11 @@ class TritonServer:
         self.drain, self.drain_grace_s = drain, drain_grace_s
         self.operator_key = operator.check_key(operator_key) if operator_key else operator.key_for_this_start()[0]
         self.restrict_apis = restrict_apis
+        if http_guard is None:  # the release this launcher runs (the tests assert it is the one served)
+            http_guard = any(w.key == "HTTP_FRONT_GUARD" for w in triton_seam.active(triton_seam.TRITON_TESTED))
+        self.http_guard = http_guard
+        self._guard: HttpGuard | None = None
+        self._http_backend_port: int | None = None  # tritonserver's own HTTP port (behind the guard)
         self.keeper: ModelKeeper | None = None
         self.process: subprocess.Popen[bytes] | None = None
         self._pgid: int | None = None
@@ -394,6 +404,11 @@ class TritonServer:
     @property
     def http_url(self) -> str:
         return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def _backend_http_url(self) -> str:
+        """tritonserver's own HTTP endpoint (behind the guard, when there is one)."""
+        return f"127.0.0.1:{self._http_backend_port or self.http_port}"
 
     @property
     def grpc_url(self) -> str:
@@ -430,8 +445,8 @@ class TritonServer:
         cmd += [f"--model-repository={p}" for p in self.model_repositories]
         cmd += [
             f"--backend-directory={backends}",
-            f"--http-address={self.host}",
-            f"--http-port={self.http_port}",
+            f"--http-address={'127.0.0.1' if self.http_guard else self.host}",
+            f"--http-port={self._http_backend_port or self.http_port}",
             f"--grpc-address={self.host}",
             f"--grpc-port={self.grpc_port}",
             "--allow-metrics=true",
@@ -498,6 +513,14 @@ class TritonServer:
                 self._launch()
                 self._wait_ready(timeout)
                 self.version = self._read_version()
+                if self.http_guard:
+                    assert self.http_port is not None and self._http_backend_port is not None
+                    try:
+                        self._guard = HttpGuard(self.host, self.http_port, self._http_backend_port).start()
+                    except OSError as exc:
+                        raise TritonServerError(
+                            f"the HTTP front on '{self.host}:{self.http_port}' already in use ({exc})"
+                        ) from None
                 if self.drain:  # now, not at the stop: an import can take seconds on a busy machine
                     for module in ("tritonclient.grpc", "mmserve.drain"):
                         importlib.import_module(module)
@@ -519,20 +542,21 @@ class TritonServer:
 
     def _launch(self) -> None:
         self._drained = self._drain_answered = False
-        auto = free_ports(3)
+        auto = free_ports(4)
         self.http_port, self.grpc_port, self.metrics_port = (
-            fixed if fixed is not None else picked for fixed, picked in zip(self._fixed_ports, auto, strict=True)
+            fixed if fixed is not None else picked for fixed, picked in zip(self._fixed_ports, auto, strict=False)
         )
+        self._http_backend_port = auto[3] if self.http_guard else self.http_port
         cmd = self.command()
         env = self.environment()
         remove_stale_shm()
         if self.die_with_parent:
             cmd = die_with_this_process(cmd)
         if self.log_path is None:
-            print(f"$ {' '.join(cmd)}", flush=True)
+            print(f"$ {self._shown(cmd)}", flush=True)
         else:
             self._log_handle = log = open(self.log_path, "ab")  # noqa: SIM115 - open while the server runs
-            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.write(f"$ {self._shown(cmd)}\n".encode())
             log.flush()
         self.process = subprocess.Popen(
             cmd,
@@ -548,7 +572,7 @@ class TritonServer:
 
     def _read_version(self) -> str | None:
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2", timeout=5) as resp:
+            with urllib.request.urlopen(f"http://{self._backend_http_url}/v2", timeout=5) as resp:
                 return str(json.loads(resp.read())["version"])
         except (OSError, ValueError, KeyError):
             return None
@@ -557,10 +581,14 @@ class TritonServer:
         """The ``mmserve.triton_seam`` workarounds this server's release needs (all: release unknown)."""
         return triton_seam.active(self.version) if self.version else triton_seam.WORKAROUNDS
 
+    def _shown(self, cmd: list[str]) -> str:
+        """``cmd`` as the log shows it: the operator's key left out (logs travel further than keys may)."""
+        return " ".join(cmd).replace(self.operator_key, "<operator key>")
+
     def _wait_ready(self, timeout: float) -> None:
         assert self.process is not None
         deadline = time.monotonic() + timeout
-        url = f"http://{self.http_url}/v2/health/ready"
+        url = f"http://{self._backend_http_url}/v2/health/ready"
         while True:
             code = self.process.poll()
             if code is not None:
@@ -617,6 +645,10 @@ class TritonServer:
             if keeper is not None:
                 keeper.stop()
                 phase("keeper stopped")
+            if self._guard is not None:  # its clients' connections go with it: none can hold the exit
+                guard, self._guard = self._guard, None
+                guard.stop()
+                phase("HTTP front stopped")
             # Shared memory of the server's processes (vLLM's engine and workers among them): what a
             # process that is killed, or crashes, can't remove itself is removed below.
             mapped = shm_files_mapped(_group_members(pgid)) if pgid is not None else set()
@@ -642,7 +674,7 @@ class TritonServer:
                             proc.wait(timeout=cut_after)
                         except subprocess.TimeoutExpired:
                             if any(w.key == "HELD_STREAMS" for w in self.workarounds()):
-                                ports = (port for port in (self.grpc_port, self.http_port) if port)
+                                ports = (port for port in (self.grpc_port, self._http_backend_port) if port)
                                 ended = sum(end_connections(proc.pid, port) for port in ports)
                                 phase(f"client connections ended: {ended}")
                             proc.wait(timeout=max(self.exit_timeout_s - 2.0 - cut_after, 0.0))
