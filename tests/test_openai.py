@@ -508,7 +508,9 @@ def _bad_requests(references) -> dict[str, dict]:
                 }
             ]
         },
-        "too many images (the gateway counts them)": {"messages": [{"role": "user", "content": [*[image_part(image)] * 5, text]}]},
+        "too many images (the gateway counts them)": {
+            "messages": [{"role": "user", "content": [*[image_part(image)] * 5, text]}]
+        },
         "not an image (Triton)": {"messages": [{"role": "user", "content": [image_part(b"not an image"), text]}]},
         "bad temperature (engine)": {"messages": [{"role": "user", "content": "Hi"}], "temperature": -1},
         "max_tokens above the context length (engine)": {
