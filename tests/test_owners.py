@@ -6,9 +6,15 @@ from __future__ import annotations
 import pytest
 
 from mmserve.errors import InputError
-from mmserve.serving.owners import MAX_ID_BYTES, MIN_KEY_BYTES, Owners, owner_of
+from mmserve.serving.owners import MAX_ID_BYTES, MIN_KEY_BYTES, Owner, Owners, owner_of
 
 KEY, OTHER_KEY = b"k" * MIN_KEY_BYTES, b"o" * MIN_KEY_BYTES
+
+
+def own(request_id: str, key: bytes) -> Owner:
+    owner = owner_of(request_id, key)
+    assert owner is not None
+    return owner
 
 
 class Clock:
@@ -21,16 +27,16 @@ class Clock:
 
 def test_a_cancel_needs_the_id_and_the_key():
     owners = Owners()
-    victim = owner_of("1", KEY)
+    victim = own("1", KEY)
     assert owners.add(victim, "engine-1")
-    assert owners.cancel(owner_of("1", OTHER_KEY)) == []  # the id alone: nothing
-    assert owners.cancel(owner_of("2", KEY)) == []  # the key alone: nothing
+    assert owners.cancel(own("1", OTHER_KEY)) == []  # the id alone: nothing
+    assert owners.cancel(own("2", KEY)) == []  # the key alone: nothing
     assert owners.cancel(victim) == ["engine-1"]
 
 
 def test_requests_that_share_an_id_never_cancel_each_other():
     owners = Owners()
-    mine, theirs = owner_of("1", KEY), owner_of("1", OTHER_KEY)
+    mine, theirs = own("1", KEY), own("1", OTHER_KEY)
     assert owners.add(mine, "engine-a") and owners.add(theirs, "engine-b")
     assert owners.cancel(theirs) == ["engine-b"]
     owners.remove(theirs, "engine-b")
@@ -40,21 +46,21 @@ def test_requests_that_share_an_id_never_cancel_each_other():
 def test_an_early_cancel_reaches_only_its_owners_later_request():
     clock = Clock()
     owners = Owners(early_cancel_s=60, clock=clock)
-    assert owners.cancel(owner_of("7", OTHER_KEY)) == []  # a hostile cancel for an id not in use
-    assert owners.add(owner_of("7", KEY), "engine-1")  # another client's request with that id runs
-    assert owners.cancel(owner_of("8", KEY)) == []  # the owner's own cancel that overtakes its request
-    assert not owners.add(owner_of("8", KEY), "engine-2")  # ... cancels it when it arrives
-    assert owners.cancel(owner_of("9", KEY)) == []
+    assert owners.cancel(own("7", OTHER_KEY)) == []  # a hostile cancel for an id not in use
+    assert owners.add(own("7", KEY), "engine-1")  # another client's request with that id runs
+    assert owners.cancel(own("8", KEY)) == []  # the owner's own cancel that overtakes its request
+    assert not owners.add(own("8", KEY), "engine-2")  # ... cancels it when it arrives
+    assert owners.cancel(own("9", KEY)) == []
     clock.now = 61
-    assert owners.add(owner_of("9", KEY), "engine-3")  # remembered for 60 s only
+    assert owners.add(own("9", KEY), "engine-3")  # remembered for 60 s only
 
 
 def test_early_cancels_are_bounded():
     owners = Owners(max_early_cancels=3)
     for k in range(10):
-        owners.cancel(owner_of(str(k), KEY))
-    assert owners.add(owner_of("0", KEY), "engine-0")  # the oldest went first
-    assert not owners.add(owner_of("9", KEY), "engine-9")
+        owners.cancel(own(str(k), KEY))
+    assert owners.add(own("0", KEY), "engine-0")  # the oldest went first
+    assert not owners.add(own("9", KEY), "engine-9")
 
 
 def test_a_request_without_a_key_is_nobodys_to_cancel():

@@ -22,6 +22,7 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import overload
 
 from mmserve.errors import InputError
 
@@ -49,6 +50,14 @@ def request_id_of(request_id: str) -> str:
     if len(request_id.encode("utf-8", "replace")) > MAX_ID_BYTES:
         raise InputError(f"request id: expected at most {MAX_ID_BYTES} bytes, found {len(request_id.encode())}")
     return request_id
+
+
+@overload
+def owner_of(request_id: str, key: bytes, *, field: str = ...) -> Owner: ...
+
+
+@overload
+def owner_of(request_id: str, key: bytes | None, *, field: str = ...) -> Owner | None: ...
 
 
 def owner_of(request_id: str, key: bytes | None, *, field: str = "cancel_key") -> Owner | None:
