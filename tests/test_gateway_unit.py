@@ -639,9 +639,13 @@ def test_the_launcher_passes_the_key_in_the_environment_not_on_a_command_line(mo
 
     monkeypatch.delenv(settings.OPENAI_API_KEY.name, raising=False)
     nothing, port = free_ports(2)  # no Triton: /v1/models needs none
-    gateway = start_gateway(types.SimpleNamespace(grpc_url=f"127.0.0.1:{nothing}"), "127.0.0.1", port, KEY)  # type: ignore[arg-type]
+    repository = Path(__file__).resolve().parents[1] / "model_repository"
+    served = types.SimpleNamespace(grpc_url=f"127.0.0.1:{nothing}", model_repositories=[repository])
+    gateway = start_gateway(served, "127.0.0.1", port, KEY)  # type: ignore[arg-type]
     try:
         command_line = Path(f"/proc/{gateway.pid}/cmdline").read_bytes()
+        # the engine's own media limits, counted before anything is fetched
+        assert b'--limit-mm-per-prompt\x00{"image": 4, "audio": 2, "video": 1}' in command_line, command_line
         environment = Path(f"/proc/{gateway.pid}/environ").read_bytes().split(b"\0")
         assert b"mmserve.gateway" in command_line and KEY.encode() not in command_line
         assert f"{settings.OPENAI_API_KEY.name}={KEY}".encode() in environment
