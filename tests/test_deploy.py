@@ -438,7 +438,11 @@ def test_the_image_puts_the_operators_apis_behind_a_key(tmp_path):
     key_file = tmp_path / "operator-key"
     env = {**os.environ, "MMSERVE_OPERATOR_KEY_FILE": str(key_file)}
     env.pop("MMSERVE_OPERATOR_KEY", None)
-    show = [sys.executable, "-c", "import os, sys; print(os.environ['MMSERVE_OPERATOR_KEY']); print(*sys.argv[1:])"]
+    show = [
+        sys.executable,
+        "-c",
+        "import sys; from mmserve import settings; print(settings.OPERATOR_KEY.get()); print(*sys.argv[1:])",
+    ]
     runs = [
         subprocess.run(
             [sys.executable, "-m", "mmserve.operator", *show, "--model-repository=x"],

@@ -122,6 +122,8 @@ TORCH_SPEC = EnvVar(
 ALL: tuple[EnvVar, ...] = (
     MODEL,
     OPENAI_API_KEY,
+    OPERATOR_KEY,
+    OPERATOR_KEY_FILE,
     CACHE_DIR,
     MODELS_DIR,
     TRITON_GRPC_URL,
