@@ -136,7 +136,10 @@ WORKAROUNDS = (
         "open keeps the model from unloading. A failed mm_llm then stays UNLOADING and the keeper "
         "never healed it (measured: not ready 184 s and counting); and tritonserver, which ends gRPC "
         "connections only after the models' unload (2.51; 2.58 and later wait for them within the "
-        "same exit timeout), runs into its exit timeout at a stop (exit code 1)",
+        "same exit timeout), runs into its exit timeout at a stop (exit code 1). Worse on 2.51: a "
+        "stream whose first request Triton refused (a wrong dtype) and which is then cancelled (not "
+        "half-closed: a client that disconnects) holds its model for good (measured; 2.57 reworked "
+        "the stream's cancellation, server#8078: whether that ends it is not measured)",
         "the keeper loads a model that stays UNLOADING past pinned_unload_s anyway (Triton then loads "
         "a new instance beside the held one); the launcher's stop, once the drain has ended every "
         "request, shuts down the client connections tritonserver still holds (pidfd_getfd, as its "
@@ -147,7 +150,8 @@ WORKAROUNDS = (
             "tools/mmserve_dev/triton/process.py",
         ),
         "a load only after 10 s of UNLOADING; connections ended only when a stop is 2 s old and "
-        "nothing is in flight any more",
+        "nothing is in flight any more. Left on 2.51: the stop after a refused request's stream was "
+        "cancelled ends at the exit timeout with exit code 1 (every process and file still removed)",
         "not fixed in 2.69 (read in its source: the stream's first state keeps its request until "
         "the stream ends); servers run without the launcher (the GPU image) keep Triton's stop",
     ),
