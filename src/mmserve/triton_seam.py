@@ -170,6 +170,18 @@ WORKAROUNDS = (
         fixed_in="2.59.0",
     ),
     Workaround(
+        "SHARED_METRIC_FAMILIES",
+        "a metric family (and a metric of the same labels) is shared by every instance of a model, "
+        "and one instance's destructor deletes it for all: when a new instance loads while the old "
+        "one still unloads (the keeper's load beside an instance a client holds: HELD_STREAMS; any "
+        "reload), the old one's finalize broke the new one (measured: tritonserver aborted, or the new "
+        "instance's responses hung and the stop ran into its exit timeout)",
+        "the stubs never delete their metric families and metrics (an extra reference for the "
+        "process's life: mmserve.serving.embedded.never_free)",
+        ("src/mmserve/serving/embedded.py", "src/mmserve/serving/metrics.py", "src/mmserve/serving/encode.py"),
+        "a few objects per model instance kept until its stub exits; the series stay on /metrics",
+    ),
+    Workaround(
         "READ_STREAM_TO_END",
         "closing a stream whose request Triton is completing crashes tritonserver",
         "the gateway reads a finished request's stream to its end (the empty final response) before it closes it",

@@ -338,6 +338,22 @@ def exit_soon_after_finalize(seconds: float = 5.0) -> None:
         faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
 
 
+def never_free(*objects: object) -> None:
+    """Keep ``objects`` alive for the rest of the process, interpreter teardown included (an extra
+    reference nothing ever drops), so that their destructors never run.
+
+    For the Python backend's ``MetricFamily`` and ``Metric`` objects (``mmserve.triton_seam``
+    SHARED_METRIC_FAMILIES): Triton shares a family, and a metric of the same labels, between every
+    instance of a model, and one instance's destructor deletes them for all. When a new instance
+    loads while the old one still unloads (the keeper's load beside an instance a client holds; any
+    reload), the old one's deleted the new one's: measured on 2.51, tritonserver then aborted, or
+    the new instance's responses hung."""
+    import ctypes
+
+    for item in objects:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(item))
+
+
 def freeze_startup_heap() -> int:
     """Call last in a model's ``initialize``: move every object alive now (torch, transformers,
     vLLM, the model's own state: millions of objects) out of the garbage collector's reach, as

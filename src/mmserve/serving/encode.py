@@ -101,6 +101,10 @@ class CacheMetrics:
         self.hits = {m: self._hits.Metric(labels={**labels, "modality": m}) for m in MODALITIES}
         self.misses = {m: self._misses.Metric(labels={**labels, "modality": m}) for m in MODALITIES}
         self.bytes = self._bytes.Metric(labels=dict(labels))
+        # Never deleted: other instances of the model share them (mmserve.triton_seam SHARED_METRIC_FAMILIES).
+        from mmserve.serving.embedded import never_free
+
+        never_free(self._hits, self._misses, self._bytes, *self.hits.values(), *self.misses.values(), self.bytes)
 
     def update(self, service: EncodeService) -> None:
         for modality, (hits, misses) in service.stats_delta().items():

@@ -202,13 +202,14 @@ class TritonMetrics:
             self.e2e_request_latency.observe(latency)
 
     def close(self) -> None:
-        """Apply what is queued, then release the metrics and their families while the stub can
-        still talk to Triton (left to interpreter teardown, the families' destructors crash the stub)."""
+        """Apply what is queued, then let the metrics be: never deleted, neither now nor at the
+        stub's exit (``never_free``; ``mmserve.triton_seam`` SHARED_METRIC_FAMILIES), since another
+        instance of the model may be using the same families and series."""
+        from mmserve.serving.embedded import never_free
+
         self._closing.set()
         self._outbox.close()
-        for name in [n for n in vars(self) if not n.startswith("_")]:
-            delattr(self, name)
-        self._families.clear()
+        never_free(*self._families, *(value for name, value in vars(self).items() if not name.startswith("_")))
 
 
 class TritonStatLogger(StatLoggerBase):
