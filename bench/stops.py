@@ -48,6 +48,8 @@ import numpy as np
 import psutil
 from common import stop_process_group
 
+from mmserve_dev.streams import HeldStream
+
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageParam
 
@@ -269,52 +271,6 @@ def gateway_traffic(served: Served) -> None:
             sdk.chat.completions.create(model="mm_ensemble", messages=messages, max_tokens=16)
         else:
             list(sdk.chat.completions.create(model="mm_ensemble", messages=messages, max_tokens=16, stream=True))
-
-
-class HeldStream:
-    """A client's gRPC stream with one request, kept open until ``close`` (tests/utils.py has its twin)."""
-
-    def __init__(self, url: str, model: str, tensors: dict[str, np.ndarray], request_id: str) -> None:
-        import queue
-
-        import grpc
-        from tritonclient.grpc import service_pb2_grpc
-        from tritonclient.grpc._utils import _get_inference_request
-
-        from mmserve.client import grpc_inputs
-
-        request = _get_inference_request(
-            model_name=model,
-            inputs=grpc_inputs(tensors),
-            model_version="",
-            request_id=request_id,
-            outputs=None,
-            sequence_id=0,
-            sequence_start=False,
-            sequence_end=False,
-            priority=0,
-            timeout=None,
-            parameters=None,
-        )
-        self._outgoing: queue.Queue[object] = queue.Queue()
-        self._outgoing.put(request)
-        self.answers: list[str] = []
-        self._channel = grpc.insecure_channel(url)
-        self._stream = service_pb2_grpc.GRPCInferenceServiceStub(self._channel).ModelStreamInfer(
-            iter(self._outgoing.get, None)
-        )
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        with contextlib.suppress(Exception):
-            for message in self._stream:
-                self.answers.append(message.error_message or "ok")
-
-    def close(self) -> None:
-        self._outgoing.put(None)
-        self._thread.join(5)
-        self._channel.close()
 
 
 def attacked(served: Served) -> list[HeldStream]:

@@ -20,6 +20,8 @@ import urllib.request
 import numpy as np
 import pytest
 
+from mmserve_dev.streams import HeldStream
+
 import utils
 from utils import ROOT, http_status, sampling, wait_for
 
@@ -114,18 +116,18 @@ def test_engine_wedged_detect_unavailable_heal(own_server, references):
     _fault_and_heal(own_server, references, signal.SIGSTOP, stall + 2 * DETECT_S)
 
 
-def _held_streams(server) -> list[utils.HeldStream]:
+def _held_streams(server) -> list[HeldStream]:
     """Two clients that keep a gRPC stream open (``mmserve.triton_seam`` HELD_STREAMS): one whose only
     request Triton itself refused (FP16 pixel_values where mm_llm takes FP32: it never reached the
     model, yet its stream holds mm_llm), one whose request mm_ensemble served (it holds mm_ensemble)."""
-    refused = utils.HeldStream(
-        server,
+    refused = HeldStream(
+        server.grpc,
         "mm_llm",
         {"input_ids": np.arange(4, dtype=np.int64), "pixel_values": np.zeros((1, 1176), np.float16)},
         f"held-refused-{time.monotonic_ns()}",
     )
-    served = utils.HeldStream(
-        server,
+    served = HeldStream(
+        server.grpc,
         "mm_ensemble",
         {"text_input": np.array([b"Hi"], object), "sampling_parameters": np.array([b'{"max_tokens": 2}'], object)},
         f"held-served-{time.monotonic_ns()}",

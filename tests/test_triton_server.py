@@ -26,6 +26,7 @@ import numpy as np
 import psutil
 import pytest
 
+from mmserve_dev.streams import HeldStream
 from mmserve_dev.triton import TritonServer, TritonServerError, find_tritonserver
 
 import utils
@@ -401,12 +402,11 @@ def test_a_stop_ends_the_connections_of_clients_that_hold_streams(tmp_path: Path
     write_model(repo, "repeat", REPEAT_CONFIG, REPEAT_MODEL)
     server = TritonServer(repo, log_file=tmp_path / "tritonserver.log", exit_timeout_s=10)
     with server:
-        endpoints = utils.Endpoints(server.grpc_url, server.http_url, None)
         tensors: dict[str, dict[str, np.ndarray]] = {
             "refused": {"IN": np.array([2.0], np.float32)},
             "served": {"IN": np.array([1], np.int32)},
         }
-        held = [utils.HeldStream(endpoints, "repeat", tensors[kind], kind) for kind in kinds]
+        held = [HeldStream(server.grpc_url, "repeat", tensors[kind], kind) for kind in kinds]
         try:
             assert utils.wait_for(lambda: all(h.answers for h in held), 30), [h.answers for h in held]
             assert all(
@@ -474,7 +474,7 @@ class TritonPythonModel:
 """
 
 
-def _answered(stream: utils.HeldStream) -> bool:
+def _answered(stream: HeldStream) -> bool:
     return bool(stream.answers)
 
 
@@ -490,11 +490,10 @@ def test_a_new_instance_survives_the_old_ones_finalize(tmp_path: Path) -> None:
     write_model(repo, "metered", METERED_CONFIG, METERED_MODEL)
     server = TritonServer(repo, log_file=tmp_path / "tritonserver.log", exit_timeout_s=6)
     with server:
-        endpoints = utils.Endpoints(server.grpc_url, server.http_url, None)
         http = utils.operator_http(server.http_url, server.operator_key)
         answered = []
         for cycle in range(3):
-            held = utils.HeldStream(endpoints, "metered", {"IN": np.array([1], np.int32)}, f"held-{cycle}")
+            held = HeldStream(server.grpc_url, "metered", {"IN": np.array([1], np.int32)}, f"held-{cycle}")
             assert utils.wait_for(partial(_answered, held), 30)
             http.unload_model("metered")
             assert not _unloaded_within(http, "metered", 1.0) and _repository_state(http, "metered") == "UNLOADING"
@@ -502,7 +501,7 @@ def test_a_new_instance_survives_the_old_ones_finalize(tmp_path: Path) -> None:
             held.close()  # the old instance finalizes now, the new one serving
             time.sleep(1.5)
             for k in range(3):
-                request = utils.HeldStream(endpoints, "metered", {"IN": np.array([k], np.int32)}, f"after-{cycle}-{k}")
+                request = HeldStream(server.grpc_url, "metered", {"IN": np.array([k], np.int32)}, f"after-{cycle}-{k}")
                 answered.append(utils.wait_for(partial(_answered, request), 5))
                 request.close()
         http.close()
@@ -646,15 +645,16 @@ def test_the_bind_address_is_a_setting(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("held", [False, True], ids=["orphan", "held"])
-def test_orphan_semaphores_are_removed_before_a_start(held: bool) -> None:
-    """A multiprocessing named semaphore left in /dev/shm by a SIGKILLed engine (no process maps it,
-    older than a minute) goes at the next server start (``remove_stale_shm``); one a live process
-    holds stays."""
+@pytest.mark.parametrize("kind", ["sem.mp-", "psm_"])
+def test_orphan_semaphores_are_removed_before_a_start(held: bool, kind: str) -> None:
+    """A multiprocessing named semaphore or a vLLM message queue left in /dev/shm by a SIGKILLed
+    engine (no process maps it, older than a minute) goes at the next server start
+    (``remove_stale_shm``); one a live process holds stays."""
     import mmap
 
     from mmserve_dev.triton import remove_stale_shm
 
-    path = Path("/dev/shm") / f"sem.mp-mmserve-test-{os.getpid()}-{int(held)}"
+    path = Path("/dev/shm") / f"{kind}mmserve-test-{os.getpid()}-{int(held)}"
     path.write_bytes(b"\0" * 32)
     old = time.time() - 120
     os.utime(path, (old, old))

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import json
@@ -386,32 +385,14 @@ class Tracked:
     responses, an error response being final. Every request must get exactly one."""
 
     def __init__(self, server: Endpoints, model: str, tensors: dict[str, np.ndarray], request_id: str) -> None:
-        import grpc
-        from tritonclient.grpc import service_pb2_grpc
-        from tritonclient.grpc._utils import _get_inference_request
-
-        from mmserve.client import grpc_inputs
+        from mmserve_dev.streams import open_stream, stream_request
 
         self.request_id = request_id
         self.responses = 0
         self.finals = 0
         self.errors: list[str] = []
-        request = _get_inference_request(
-            model_name=model,
-            inputs=grpc_inputs(tensors),
-            model_version="",
-            request_id=request_id,
-            outputs=None,
-            sequence_id=0,
-            sequence_start=False,
-            sequence_end=False,
-            priority=0,
-            timeout=None,
-            parameters=None,
-        )
-        request.parameters["triton_enable_empty_final_response"].bool_param = True
-        self._channel = grpc.insecure_channel(server.grpc)
-        self._stream = service_pb2_grpc.GRPCInferenceServiceStub(self._channel).ModelStreamInfer(iter([request]))
+        request = stream_request(model, tensors, request_id, empty_final=True)
+        self._channel, self._stream = open_stream(server.grpc, iter([request]))
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
@@ -432,55 +413,6 @@ class Tracked:
         self._thread.join(timeout)
         self._channel.close()
         return not self._thread.is_alive()
-
-
-class HeldStream:
-    """A client that sends one request on a gRPC stream and keeps the stream open (until ``close``):
-    Triton holds the stream's first request, and with it that request's model, until the stream
-    ends (``mmserve.triton_seam`` HELD_STREAMS). ``answers``: the error messages (or None) read."""
-
-    def __init__(self, server: Endpoints, model: str, tensors: dict[str, np.ndarray], request_id: str) -> None:
-        import queue
-
-        import grpc
-        from tritonclient.grpc import service_pb2_grpc
-        from tritonclient.grpc._utils import _get_inference_request
-
-        from mmserve.client import grpc_inputs
-
-        request = _get_inference_request(
-            model_name=model,
-            inputs=grpc_inputs(tensors),
-            model_version="",
-            request_id=request_id,
-            outputs=None,
-            sequence_id=0,
-            sequence_start=False,
-            sequence_end=False,
-            priority=0,
-            timeout=None,
-            parameters=None,
-        )
-        self._outgoing: queue.Queue[Any] = queue.Queue()
-        self._outgoing.put(request)
-        self.answers: list[str | None] = []
-        self._channel = grpc.insecure_channel(server.grpc)
-        self._stream = service_pb2_grpc.GRPCInferenceServiceStub(self._channel).ModelStreamInfer(
-            iter(self._outgoing.get, None)
-        )
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        with contextlib.suppress(Exception):  # the stream ends when closed (or cut by the server)
-            for message in self._stream:
-                self.answers.append(message.error_message or None)
-
-    def close(self) -> None:
-        """Half-close the stream and let it go."""
-        self._outgoing.put(None)
-        self._thread.join(10)
-        self._channel.close()
 
 
 def long_generation(stream: bool, max_tokens: int = 3000) -> dict[str, np.ndarray]:

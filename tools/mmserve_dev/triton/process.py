@@ -73,16 +73,18 @@ def free_ports(count: int = 3, host: str = "127.0.0.1") -> list[int]:
 _SHM_PREFIX_RE = re.compile(r"^mmserve_(\d+)_\d+_")
 
 
-SEMAPHORE_GLOB = "sem.mp-*"
-"""Python multiprocessing's named semaphores (vLLM's engine makes them): their resource tracker
-removes them at exit, but not when it is SIGKILLed with its process group."""
-SEMAPHORE_MIN_AGE_S = 60.0
+ORPHAN_GLOBS = ("sem.mp-*", "psm_*")
+"""What vLLM's engine processes leave in /dev/shm when they are SIGKILLed with nobody to clean up
+after them: Python multiprocessing's named semaphores (their resource tracker removes them at a
+normal exit) and vLLM's message queues (``psm_*``, 160-250 MB each, which its processes or the
+launcher's stop remove otherwise)."""
+ORPHAN_MIN_AGE_S = 60.0
 
 
 def remove_stale_shm() -> list[str]:
     """Remove /dev/shm regions named by the default prefix (``mmserve_<pid>_<n>_``) whose process
-    is gone, and multiprocessing's named semaphores (``sem.mp-*``) that no live process has open
-    (mapped) and that are older than a minute."""
+    is gone, and the engine's leftovers (``ORPHAN_GLOBS``) that no live process has open (mapped)
+    and that are older than a minute."""
     removed = []
     with contextlib.suppress(OSError):
         for name in os.listdir(SHM_DIR):
@@ -92,19 +94,19 @@ def remove_stale_shm() -> list[str]:
             with contextlib.suppress(OSError):
                 (SHM_DIR / name).unlink()
                 removed.append(name)
-    for path in _orphan_semaphores():
+    for path in _orphans():
         with contextlib.suppress(OSError):
             path.unlink()
             removed.append(path.name)
     return removed
 
 
-def _orphan_semaphores() -> list[Path]:
+def _orphans() -> list[Path]:
     now = time.time()
     candidates = []
-    for path in SHM_DIR.glob(SEMAPHORE_GLOB):
+    for path in (path for pattern in ORPHAN_GLOBS for path in SHM_DIR.glob(pattern)):
         with contextlib.suppress(OSError):
-            if now - path.stat().st_mtime > SEMAPHORE_MIN_AGE_S:
+            if now - path.stat().st_mtime > ORPHAN_MIN_AGE_S:
                 candidates.append(path)
     if not candidates:  # the usual case: no /proc scan
         return []
@@ -640,7 +642,7 @@ class TritonServer:
                 timeout = self.exit_timeout_s + 3.0
             # First the drain: requests in flight end now, and the work below (reading /proc of busy
             # engine processes among it) runs on an idle server.
-            if self.drain and self.is_running():
+            if self.drain and self.is_running() and not self._drained:
                 phase("drained" if self.drain_now(on_sent=lambda: phase("drain sent")) else "drain not answered")
             if keeper is not None:
                 keeper.stop()
