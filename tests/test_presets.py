@@ -51,6 +51,14 @@ _VISION_PROCESSOR = {
     "image_std": [0.26862954, 0.26130258, 0.27577711],
     "image_processor_type": "Qwen2VLImageProcessor",
 }
+_QWEN3_VISION = {
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+}
 _WHISPER = {
     "feature_extractor_type": "WhisperFeatureExtractor",
     "feature_size": 128,
@@ -73,6 +81,7 @@ class RealCheckpoint:
     heads: dict[str, int]  # attention heads of each part that tensor parallelism splits
     kv_heads: int
     preprocessor_config: dict[str, Any]  # the hub's preprocessor_config.json
+    video_preprocessor_config: dict[str, Any] | None = None  # the hub's video_preprocessor_config.json, if any
 
 
 REAL: dict[str, RealCheckpoint] = {
@@ -99,6 +108,23 @@ REAL: dict[str, RealCheckpoint] = {
         {"text": 28, "vision": 16},
         4,
         {**_VISION_PROCESSOR, "processor_class": "Qwen2_5_VLProcessor"},
+    ),
+    "Qwen3-VL-8B-Instruct": RealCheckpoint(
+        "qwen3_vl",
+        ("Qwen3VLForConditionalGeneration",),
+        262144,
+        {"text": 32, "vision": 16},
+        8,
+        {
+            **_QWEN3_VISION,
+            "image_processor_type": "Qwen2VLImageProcessorFast",
+            "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+        },
+        {
+            **_QWEN3_VISION,
+            "video_processor_type": "Qwen3VLVideoProcessor",
+            "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+        },
     ),
     "Qwen2-Audio-7B-Instruct": RealCheckpoint(
         "qwen2_audio",
@@ -139,6 +165,8 @@ def real_settings(tiny_models, tmp_path_factory) -> dict[str, Path]:
             if path.name != "processor_config.json":
                 (out / path.name).symlink_to(path.resolve())
         (out / "preprocessor_config.json").write_text(json.dumps(real.preprocessor_config, indent=2))
+        if real.video_preprocessor_config is not None:
+            (out / "video_preprocessor_config.json").write_text(json.dumps(real.video_preprocessor_config, indent=2))
         dirs[hub_name] = out
     return dirs
 
@@ -350,9 +378,14 @@ def _clip(seconds: float) -> bytes:
 def test_preprocess_runs_the_checkpoints_settings(hub_name, checkpoints):
     checkpoint = checkpoints(hub_name)
     settings = checkpoint.real.preprocessor_config
+    image_processor = getattr(checkpoint.preprocessor.processor, "image_processor", None)
+    size = dict(image_processor.size) if image_processor is not None else {}
     if "max_pixels" in settings:
-        size = checkpoint.preprocessor.processor.image_processor.size
         assert (size["shortest_edge"], size["longest_edge"]) == (settings["min_pixels"], settings["max_pixels"])
+    if "size" in settings:  # Qwen3-VL's processors: size alone, the video's over all its frames
+        assert size == settings["size"]
+        video, real_video = checkpoint.preprocessor.processor.video_processor, checkpoint.real.video_preprocessor_config
+        assert real_video is not None and video.size == real_video["size"] and video.fps == 2
     if "n_samples" in settings:
         extractor = checkpoint.preprocessor.processor.feature_extractor
         assert extractor.n_samples == settings["n_samples"]  # 300 s for Omni, 30 s for Qwen2-Audio
@@ -383,8 +416,10 @@ def test_largest_items_fit_the_engine_and_vllms_profile(hub_name, checkpoints):
     for modality, tokens in largest.items():
         assert tokens <= profiled[modality], f"{modality}: preprocess sends {tokens} tokens, vLLM profiles {profiled}"
     settings = checkpoint.real.preprocessor_config
-    if "max_pixels" in settings:  # a 16-MP image is resized to max_pixels: exactly vLLM's largest image
-        assert largest["image"] == profiled["image"] == settings["max_pixels"] // (14 * 2) ** 2
+    max_pixels = settings.get("max_pixels") or settings.get("size", {}).get("longest_edge")
+    if max_pixels:  # a 16-MP image is resized to max_pixels: exactly vLLM's largest image
+        side = settings["patch_size"] * settings["merge_size"]
+        assert largest["image"] == profiled["image"] == max_pixels // side**2
 
 
 @pytest.mark.parametrize("hub_name", ["Qwen2.5-Omni-7B", "Qwen2-Audio-7B-Instruct"])

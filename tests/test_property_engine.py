@@ -1,8 +1,9 @@
 """Property: a processed input that ``mm_llm``'s validation accepts never fails inside the engine.
 
-For each family (Qwen2.5-Omni, Qwen2.5-VL, Qwen2-Audio) on its tiny checkpoint and a real vLLM
+For each family (Qwen2.5-Omni, Qwen2.5-VL, Qwen2-Audio, Qwen3-VL) on its tiny checkpoint and a real vLLM
 engine, hypothesis generates processed inputs in every form the family takes (``pixel_values``,
-``pixel_values_uint8``, ``image_embeds``; videos as patches or embeddings, with their seconds; audio
+``pixel_values_uint8``, ``image_embeds``; videos as patches or embeddings, with their seconds (Qwen3-VL: a
+timestamped frame group per temporal patch); audio
 features or ``audio_embeds``; Omni's video with its audio track), mostly valid ones with one or two
 numbers mutated: grid values (0, negative, huge, int64 edges, values whose product wraps around in
 int64 to the row count sent), video seconds (NaN, inf, 1e6, values around the M-RoPE table's end),
@@ -44,7 +45,7 @@ from utils import ENGINE_ARGS, greedy
 
 pytestmark = pytest.mark.engine
 
-FAMILIES = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio")
+FAMILIES = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio", "qwen3_vl")
 EXAMPLES = 800
 """Inputs per family: 10-25 s of a 2-core machine each, beside the engine's start (~20 s)."""
 MAX_TOKENS = 2
@@ -81,7 +82,9 @@ class Target:
         self.text: list[int] = tokenizer("Describe it.", add_special_tokens=False)["input_ids"]
         text = hf_config.get_text_config()
         self.hidden: int = text.hidden_size
-        self.positions: int = 4 * text.max_position_embeddings  # vLLM's M-RoPE table: 4 x max_position_embeddings
+        # vLLM's M-RoPE table: 4 x max_position_embeddings (Qwen3-VL's language model: 1 x)
+        self.positions: int = (1 if name == "qwen3_vl" else 4) * text.max_position_embeddings
+        self.timestamp: list[int] = tokenizer("<1.5 seconds>", add_special_tokens=False)["input_ids"]
         self.patch_dim, self.tokens_per_second = 0, 1.0
         if (vision := getattr(hf_config, "vision_config", None)) is not None:
             self.patch_dim = 3 * vision.temporal_patch_size * vision.patch_size**2
@@ -96,7 +99,8 @@ class Target:
 
     def token(self, modality: str, role: str) -> int:
         names = {
-            "qwen2_5_vl": {"image": "<|image_pad|>", "video": "<|video_pad|>", "start": "<|vision_start|>"},
+            "qwen2_5_vl": {"image": "<|image_pad|>", "video": "<|video_pad|>"},
+            "qwen3_vl": {"image": "<|image_pad|>", "video": "<|video_pad|>"},
             "qwen2_5_omni": {"image": "<|IMAGE|>", "video": "<|VIDEO|>", "audio": "<|AUDIO|>"},
             "qwen2_audio": {"audio": "<|AUDIO|>"},
         }[self.name]
@@ -104,7 +108,7 @@ class Target:
             return self.vocab[names[modality]]
         if modality == "audio":
             return self.vocab["<|audio_bos|>" if role == "start" else "<|audio_eos|>"]
-        if self.name == "qwen2_5_vl":
+        if self.name in ("qwen2_5_vl", "qwen3_vl"):
             return self.vocab["<|vision_start|>" if role == "start" else "<|vision_end|>"]
         return self.vocab["<|vision_bos|>" if role == "start" else "<|vision_eos|>"]
 
@@ -143,6 +147,7 @@ def target(request, tiny_models):
             ("video", "embeds"),
         ),
         "qwen2_audio": (("audio", "features"), ("audio", "embeds")),
+        "qwen3_vl": (("image", "patches"), ("image", "uint8"), ("video", "patches"), ("video", "patches")),
     }[request.param]
     with EngineRunner(str(model), **ENGINE_ARGS) as engine:
         chosen = Target(request.param, family, engine, config, model, forms)
@@ -275,7 +280,7 @@ def mutate(draw: Callable[..., Any], case: Case, target: Target) -> None:
     kinds = ["rows", "run", "dtype", "shape", "magnitude", "width"]
     if case.modality in ("image", "video"):
         kinds += ["grid", "grid", "grid", "wrap"]
-    if case.modality == "video":
+    if case.modality == "video" and target.name != "qwen3_vl":  # Qwen3-VL: the time is text
         kinds += ["seconds", "seconds", "seconds"]
     if case.modality == "audio" or case.audio:
         kinds += ["length", "length"]
@@ -362,7 +367,7 @@ def field_names(case: Case, target: Target) -> set[str]:
             "uint8": "pixel_values_uint8",
         }.get(case.form, f"{case.modality}_embeds")
     )
-    if case.modality == "video":
+    if case.modality == "video" and target.name != "qwen3_vl":
         names.add(case.seconds_name)
     if case.audio:
         names |= {"input_features", "feature_attention_mask", "use_audio_in_video"}
@@ -474,7 +479,7 @@ def render(case: Case, target: Target) -> dict[str, np.ndarray]:
             name = "pixel_values" if case.modality == "image" else "pixel_values_videos"
             tensors[name] = rng.standard_normal((rows, target.patch_dim)).astype(np.float32)
         tensors[f"{case.modality}_grid_thw"] = np.array([i.grid for i in case.items], dtype=np.int64)
-        if case.modality == "video":
+        if case.modality == "video" and target.name != "qwen3_vl":
             with np.errstate(over="ignore"):
                 tensors[case.seconds_name] = np.array([i.seconds for i in case.items], dtype=np.float32)
     audio = case.audio if case.audio else case.items if case.modality == "audio" else []
@@ -494,6 +499,15 @@ def render(case: Case, target: Target) -> dict[str, np.ndarray]:
     if case.audio:
         tensors["use_audio_in_video"] = np.ones(len(case.items), dtype=np.bool_)
         ids += [target.token("video", "start"), *case.span, target.token("video", "end")]
+    elif target.name == "qwen3_vl" and case.modality == "video":
+        for item in case.items:  # a timestamped group per temporal patch, the run split among them
+            groups = max(1, min(item.grid[0], 64))
+            sizes = [item.run // groups] * groups
+            sizes[-1] += item.run - sum(sizes)
+            for size in sizes:
+                ids += [*target.timestamp, target.token("video", "start")] + [target.token("video", "pad")] * size
+                ids += [target.token("video", "end")]
+            ids += target.text
     else:
         for item in case.items:
             ids += [target.token(case.modality, "start")] + [target.token(case.modality, "pad")] * item.run

@@ -673,6 +673,8 @@ def hf_on_frames(processor, text: str, images: list, videos: list[np.ndarray], f
     metadata = [
         {"total_num_frames": len(v), "fps": float(fps), "width": v.shape[2], "height": v.shape[1]} for v in videos
     ]
+    if not videos:
+        return processor(text=[text], images=images or None, return_tensors="np")
     return processor(text=[text], images=images or None, videos=videos, video_metadata=metadata, return_tensors="np")
 
 

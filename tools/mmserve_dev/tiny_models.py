@@ -16,6 +16,11 @@ Families (``FAMILIES``):
   HF builds neither module when audio output is disabled.
 * ``qwen2_5_vl`` - ``Qwen2_5_VLForConditionalGeneration`` (text + image).
 * ``qwen2_audio`` - ``Qwen2AudioForConditionalGeneration`` (text + audio).
+* ``qwen3_vl`` - ``Qwen3VLForConditionalGeneration`` (text + image + video): the Qwen3 language model
+  (q/k norms, interleaved M-RoPE) and the Qwen3-VL vision tower (patch 16, learned position grid,
+  DeepStack features merged into the first decoder layers), with the real checkpoints' processors
+  (``Qwen2VLImageProcessor`` with mean/std 0.5, ``Qwen3VLVideoProcessor`` sampling 2 fps, and the
+  timestamps it writes before each frame).
 
 Build everything (idempotent; ``--force`` rebuilds)::
 
@@ -60,7 +65,7 @@ from mmserve_dev.samples import AUDIO_SAMPLE_RATE
 # Bump whenever anything below changes what is written: existing directories are then rebuilt.
 BUILDER_VERSION = 1
 MARKER_FILE = "mmserve_tiny_model.json"
-FAMILY_NAMES: tuple[str, ...] = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio")
+FAMILY_NAMES: tuple[str, ...] = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio", "qwen3_vl")
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "models"
 
 # ---------------------------------------------------------------------------------------------------
@@ -95,6 +100,25 @@ AUDIO_ENCODER = dict(
     d_model=64,
     max_source_positions=1500,
 )
+# Qwen3-VL's tower: the real checkpoints' patch 16 and merge 2 (32 pixels per placeholder side), a
+# learned position grid interpolated to each image (num_position_embeddings: 48x48 in the real ones),
+# and DeepStack: the output of vision layer 0 added to the first decoder layer's input.
+QWEN3_VISION = dict(
+    depth=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=2,  # head_dim 32
+    in_channels=3,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=TEXT_HIDDEN,
+    num_position_embeddings=256,  # a 16x16 grid
+    deepstack_visual_indexes=[0],
+)
+QWEN3_MIN_PIXELS = 64 * 64  # image: at least 4 placeholder tokens
+QWEN3_MAX_PIXELS = 512 * 512  # image: at most (512/32)^2 = 256
+QWEN3_VIDEO_MAX_PIXELS = 32 * 32 * 512  # a video's frames together: at most 512 tokens
 MIN_PIXELS = 56 * 56  # 3136
 MAX_PIXELS = 448 * 448  # 200704: at most (448/14/2)^2 = 256 placeholder tokens per image
 
@@ -113,6 +137,22 @@ ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 
 SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {
     "qwen2_5_vl": (
+        ENDOFTEXT,
+        IM_START,
+        IM_END,
+        "<|object_ref_start|>",
+        "<|object_ref_end|>",
+        "<|box_start|>",
+        "<|box_end|>",
+        "<|quad_start|>",
+        "<|quad_end|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|vision_pad|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+    ),
+    "qwen3_vl": (
         ENDOFTEXT,
         IM_START,
         IM_END,
@@ -161,6 +201,12 @@ TOKENIZER_TOKEN_ATTRIBUTES: dict[str, dict[str, str]] = {
         "image_token": "<|image_pad|>",
         "video_token": "<|video_pad|>",
     },
+    "qwen3_vl": {
+        "image_token": "<|image_pad|>",
+        "video_token": "<|video_pad|>",
+        "vision_start_token": "<|vision_start|>",
+        "vision_end_token": "<|vision_end|>",
+    },
     "qwen2_audio": {
         "audio_token": "<|AUDIO|>",
         "audio_bos_token": "<|audio_bos|>",
@@ -208,6 +254,8 @@ _IS_VIDEO = "content['type'] == 'video' or 'video' in content"
 _IS_AUDIO = "content['type'] == 'audio' or 'audio' in content or 'audio_url' in content"
 
 CHAT_TEMPLATES: dict[str, str] = {
+    # Qwen3-VL's template writes the same markers; its processor expands <|video_pad|> into one
+    # "<t seconds><|vision_start|><|video_pad|>...<|vision_end|>" group per temporal patch.
     "qwen2_5_vl": (
         "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
         + _TEMPLATE_HEAD
@@ -243,6 +291,8 @@ CHAT_TEMPLATES: dict[str, str] = {
         "<|vision_bos|><|VIDEO|><|vision_eos|>" + _TEMPLATE_TAIL
     ),
 }
+
+CHAT_TEMPLATES["qwen3_vl"] = CHAT_TEMPLATES["qwen2_5_vl"]
 
 # ---------------------------------------------------------------------------------------------------
 # Tokenizer training text: sentences drawn with a seeded RNG from this fixed word list.
@@ -378,10 +428,12 @@ def build_tokenizer(family_name: str):
 # Configs
 
 
-def _text_config(vocab_size: int, ids: dict[str, int], *, mrope: bool, **extra) -> dict:
+def _text_config(vocab_size: int, ids: dict[str, int], *, mrope: bool, interleaved: bool = False, **extra) -> dict:
     rope = {"rope_type": "default", "rope_theta": ROPE_THETA}
     if mrope:
         rope["mrope_section"] = list(MROPE_SECTION)
+    if interleaved:  # Qwen3-VL: the sections' frequencies interleaved (t, h, w, t, h, w, ...)
+        rope["mrope_interleaved"] = True
     return dict(
         vocab_size=vocab_size,
         hidden_size=TEXT_HIDDEN,
@@ -408,6 +460,7 @@ def build_config(family_name: str, tokenizer):
         Qwen2_5OmniTalkerConfig,
         Qwen2_5OmniThinkerConfig,
         Qwen2AudioConfig,
+        Qwen3VLConfig,
     )
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS[family_name]}
@@ -423,6 +476,25 @@ def build_config(family_name: str, tokenizer):
             tie_word_embeddings=False,
         )
         config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    elif family_name == "qwen3_vl":
+        config = Qwen3VLConfig(
+            text_config=_text_config(
+                vocab_size,
+                ids,
+                mrope=True,
+                interleaved=True,
+                head_dim=TEXT_HIDDEN // TEXT_HEADS,
+                attention_bias=False,
+                bos_token_id=None,
+            ),
+            vision_config=dict(QWEN3_VISION),
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+            tie_word_embeddings=False,
+        )
+        config.architectures = ["Qwen3VLForConditionalGeneration"]
     elif family_name == "qwen2_audio":
         config = Qwen2AudioConfig(
             audio_config=dict(AUDIO_ENCODER, model_type="qwen2_audio_encoder"),
@@ -494,6 +566,8 @@ def build_processor(family_name: str, tokenizer):
         Qwen2AudioProcessor,
         Qwen2VLImageProcessor,
         Qwen2VLVideoProcessor,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
         WhisperFeatureExtractor,
     )
 
@@ -523,6 +597,29 @@ def build_processor(family_name: str, tokenizer):
         )
 
     template = CHAT_TEMPLATES[family_name]
+    if family_name == "qwen3_vl":
+        # As the real checkpoints' (Qwen3-VL-*-Instruct): mean/std 0.5, 2 fps sampled, 4 to 768 frames.
+        patches = dict(
+            patch_size=QWEN3_VISION["patch_size"],
+            temporal_patch_size=QWEN3_VISION["temporal_patch_size"],
+            merge_size=QWEN3_VISION["spatial_merge_size"],
+            image_mean=[0.5, 0.5, 0.5],
+            image_std=[0.5, 0.5, 0.5],
+        )
+        return Qwen3VLProcessor(
+            image_processor=Qwen2VLImageProcessor(
+                size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS}, **patches
+            ),
+            video_processor=Qwen3VLVideoProcessor(
+                size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_VIDEO_MAX_PIXELS},
+                fps=2,
+                min_frames=4,
+                max_frames=768,
+                **patches,
+            ),
+            tokenizer=tokenizer,
+            chat_template=template,
+        )
     if family_name == "qwen2_5_vl":
         return Qwen2_5_VLProcessor(
             image_processor=image_processor(),
@@ -594,6 +691,7 @@ def _model_class(family_name: str):
         "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
         "qwen2_audio": transformers.Qwen2AudioForConditionalGeneration,
         "qwen2_5_omni": transformers.Qwen2_5OmniForConditionalGeneration,
+        "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
     }[family_name]
 
 

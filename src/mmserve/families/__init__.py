@@ -10,8 +10,9 @@ from mmserve.families.base import FamilySpec, FieldSpec, ModalitySpec, TowerSpec
 from mmserve.families.qwen2_5_omni import QWEN2_5_OMNI
 from mmserve.families.qwen2_5_vl import QWEN2_5_VL
 from mmserve.families.qwen2_audio import QWEN2_AUDIO
+from mmserve.families.qwen3_vl import QWEN3_VL
 
-FAMILIES: dict[str, FamilySpec] = {f.name: f for f in (QWEN2_5_OMNI, QWEN2_5_VL, QWEN2_AUDIO)}
+FAMILIES: dict[str, FamilySpec] = {f.name: f for f in (QWEN2_5_OMNI, QWEN2_5_VL, QWEN2_AUDIO, QWEN3_VL)}
 DEFAULT_FAMILY = QWEN2_5_OMNI.name
 
 

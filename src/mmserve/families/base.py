@@ -194,6 +194,36 @@ class ModalitySpec(ABC):
         """Short description of an item for error messages (what its count was derived from)."""
         return ""
 
+    def locate(
+        self, prompt_ids: Sequence[int], items: Any, *, token_id: int, hf_config: PretrainedConfig, tokenizer: Any
+    ) -> list[Any]:
+        """Where each item of ``items`` (``ProcessedItems``, validated) sits in the expanded prompt,
+        in item order: ``vllm_seam.Placement`` (offset, length and, where only some of the span's
+        tokens take the item's embeddings, which). Raise ``ProcessedInputError`` when the prompt does
+        not hold the items as the family's processor lays them out.
+
+        Default: one run of ``token_id`` (the placeholder) per item, of ``expected_tokens`` tokens.
+        A family whose item spans more (Qwen3-VL's video: a timestamp and delimiters before every
+        temporal patch) overrides it; ``tokenizer`` (the checkpoint's) reads such text."""
+        from mmserve.passthrough.placeholders import locate_items
+        from mmserve.vllm_seam import Placement
+
+        runs = locate_items(
+            prompt_ids,
+            modality=self.modality,
+            token=self.placeholder_token,
+            token_id=token_id,
+            expected=items.expected_tokens(),
+            describe=items.describe(),
+        )
+        return [Placement(offset, length) for offset, length in runs]
+
+    def placeholder_runs(self, tensors: Mapping[str, Any], items: int) -> int:
+        """Runs of the placeholder token that ``items`` items take in a prompt the family's processor
+        expanded, from its tensors of them (``tensors``): what ``preprocess`` checks its prompt
+        against. Default: one per item."""
+        return items
+
     def processor_kwargs(self, processor: Any, items: Sequence[Any]) -> dict[str, Any]:
         """Extra keyword arguments for the HF processor's call on ``items`` (raw media of this
         modality), e.g. a cheaper padding that gives the same values wherever the model reads them.

@@ -5,6 +5,7 @@ only pick these up with their own placeholder tokens."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +89,7 @@ MROPE_POSITIONS_FACTOR = 4
 Qwen2.5-VL and of the Qwen2.5-Omni thinker keeps (``get_rope``'s ``mrope_positions_factor``)."""
 
 
-def rotary_positions(hf_config: PretrainedConfig) -> int:
+def rotary_positions(hf_config: PretrainedConfig, factor: int = MROPE_POSITIONS_FACTOR) -> int:
     """Rows of the language model's M-RoPE cos/sin table in vLLM 0.32: every position of a request
     (prompt and generation) indexes it, and one at or past its end fails in the engine core (an
     IndexError on CPU, a device-side assert on a GPU: the core dies, and every request with it).
@@ -97,13 +98,15 @@ def rotary_positions(hf_config: PretrainedConfig) -> int:
     config's ``max_position_embeddings`` (``original_max_position_embeddings`` under YaRN) times
     ``MROPE_POSITIONS_FACTOR``: "the maximum index value is related to the duration of the input
     video", since a video's time positions step by seconds, not by tokens (``QwenVisionVideo``).
-    131072 for the tiny checkpoints and Qwen2.5-Omni-7B (32768 x 4), 512000 for Qwen2.5-VL-7B."""
+    131072 for the tiny checkpoints and Qwen2.5-Omni-7B (32768 x 4), 512000 for Qwen2.5-VL-7B.
+    ``factor``: Qwen3-VL's language model builds it with 1 (``qwen3_vl.mrope_positions_factor``,
+    without video pruning): 262144 for Qwen3-VL-8B."""
     text = hf_config.get_text_config()
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     base = text.max_position_embeddings
     if rope.get("rope_type") == "yarn" and rope.get("original_max_position_embeddings"):
         base = rope["original_max_position_embeddings"]
-    return int(base) * MROPE_POSITIONS_FACTOR
+    return int(base) * factor
 
 
 def _grid_rows(grid: Any) -> list[tuple[int, int, int]]:
@@ -203,8 +206,10 @@ class QwenVisionImage(ModalitySpec):
 
     modality = "image"
 
-    def __init__(self, placeholder_token: str) -> None:
+    def __init__(self, placeholder_token: str, *, positions_factor: int = MROPE_POSITIONS_FACTOR) -> None:
+        """``positions_factor``: of the language model's M-RoPE table (``rotary_positions``)."""
         self.placeholder_token = placeholder_token
+        self.positions_factor = positions_factor
         self.fields = (
             FieldSpec(
                 "pixel_values",
@@ -306,7 +311,7 @@ class QwenVisionImage(ModalitySpec):
         """Every field, the patches (``patches``) only if named (``VisionEmbeddings`` has none)."""
         grid = data["image_grid_thw"]
         patch_dim, merge = _vision(hf_config)
-        rows = _check_grid("image", grid, merge, rotary_positions(hf_config))
+        rows = _check_grid("image", grid, merge, rotary_positions(hf_config, self.positions_factor))
         if patches is not None:
             _check_patches("image", patches, data[patches], grid, patch_dim)
         for index, (t, h, w) in enumerate(rows):
@@ -555,6 +560,185 @@ class QwenVisionVideo(ModalitySpec):
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"video_grid_thw={item['video_grid_thw'].tolist()}"
+
+
+class TimestampedVideo(ModalitySpec):
+    """Videos through the Qwen3-VL vision tower: each temporal patch a frame group of its own,
+    introduced by its time as text.
+
+    The HF processor (``Qwen3VLProcessor.replace_video_token``) expands a video of patch grid
+    (t, h, w) into t groups ``<T seconds><|vision_start|>`` + ``h*w / merge**2`` placeholders +
+    ``<|vision_end|>``, T the group's mean frame time to one decimal (``<0.5 seconds>``): so one
+    video is t runs of its placeholder, and ``t*h*w / merge**2`` tokens take its embeddings. vLLM
+    0.32 lays a raw video out the same way (``Qwen3VLMultiModalProcessor.get_video_repl``): one
+    span from the first timestamp to the last ``<|vision_end|>``, only the placeholders embedded.
+    ``locate`` finds that span, and checks every group: its timestamp (the tokens the tokenizer gives
+    the text on its own, as both processors tokenize it), its delimiters and its placeholders.
+
+    Positions: every group's placeholders take ``max(h, w)/merge`` M-RoPE positions from the one
+    after the text before them, with temporal index 0 (``Qwen3VLForConditionalGeneration.
+    get_mrope_input_positions``); time is told by the timestamps alone. A video thus takes no more
+    positions than tokens: the table bounds a request by ``max_model_len`` (``rotary_positions``
+    with ``positions_factor`` 1, as vLLM builds it for this language model), and only the grid
+    needs checking.
+    """
+
+    modality = "video"
+    TIMESTAMP = re.compile(r"<\d+\.\d seconds>")
+    """A group's time, as both processors write it (``f"<{seconds:.1f} seconds>"``)."""
+    MAX_TIMESTAMP_TOKENS = 32
+    """Tokens a timestamp may take (the text is ~14 characters): how far ``locate`` looks back."""
+
+    def __init__(
+        self,
+        placeholder_token: str,
+        *,
+        start_token: str = "<|vision_start|>",
+        end_token: str = "<|vision_end|>",
+        positions_factor: int = 1,
+    ) -> None:
+        self.placeholder_token = placeholder_token
+        self.start_token, self.end_token = start_token, end_token
+        self.positions_factor = positions_factor
+        self.fields = (
+            FieldSpec(
+                "pixel_values_videos",
+                "float32",
+                ("patches", "patch_dim"),
+                "normalized patches of all videos, flattened as the HF video processor outputs "
+                "them: sum of t*h*w rows, channels*temporal_patch_size*patch_size**2 columns",
+            ),
+            FieldSpec(
+                "video_grid_thw",
+                "int64",
+                ("videos", 3),
+                "patch grid (t, h, w) of each video (t: temporal patches, each a timestamped frame "
+                "group in the prompt), in prompt order",
+            ),
+        )
+
+    def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
+        self.validate_layout(data, hf_config, patches="pixel_values_videos")
+
+    def validate_layout(
+        self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig, *, patches: str | None = None
+    ) -> None:
+        grid = data["video_grid_thw"]
+        patch_dim, merge = _vision(hf_config)
+        _check_grid("video", grid, merge, rotary_positions(hf_config, self.positions_factor))
+        if patches is not None:
+            _check_patches("video", patches, data[patches], grid, patch_dim)
+
+    def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
+        from mmserve.vllm_seam import MultiModalFieldConfig
+
+        return {
+            "pixel_values_videos": MultiModalFieldConfig.flat_from_sizes(
+                "video", _patches_per_item(data["video_grid_thw"])
+            ),
+            "video_grid_thw": MultiModalFieldConfig.batched("video", keep_on_cpu=True),
+        }
+
+    def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
+        _, merge = _vision(hf_config)
+        return _item_tokens(item["video_grid_thw"], merge)
+
+    def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
+        return f"video_grid_thw={item['video_grid_thw'].tolist()}"
+
+    def placeholder_runs(self, tensors: Mapping[str, Any], items: int) -> int:
+        grid = tensors.get("video_grid_thw")
+        return items if grid is None else sum(t for t, _, _ in _grid_rows(np.asarray(grid)))
+
+    def locate(
+        self, prompt_ids: Sequence[int], items: Any, *, token_id: int, hf_config: PretrainedConfig, tokenizer: Any
+    ) -> list[Any]:
+        from mmserve.passthrough.placeholders import placeholder_runs
+        from mmserve.vllm_seam import Placement
+
+        ids = np.asarray(prompt_ids, dtype=np.int64)
+        start_id, end_id = (
+            tokenizer.convert_tokens_to_ids(self.start_token),
+            tokenizer.convert_tokens_to_ids(self.end_token),
+        )
+        _, merge = _vision(hf_config)
+        grids = [_grid_rows(items.get(i)["video_grid_thw"].reshape(1, 3))[0] for i in range(len(items))]
+        runs = placeholder_runs(ids, token_id)
+        groups = sum(t for t, _, _ in grids)
+        if len(runs) != groups:
+            raise ProcessedInputError(
+                "video",
+                field="prompt_token_ids",
+                expected=f"{groups} run(s) of {self.placeholder_token}: one per temporal patch (t of each video's "
+                f"video_grid_thw {[list(g) for g in grids]}), each after its timestamp and {self.start_token}",
+                found=f"{len(runs)} run(s) with lengths {[n for _, n in runs][:16]}",
+                hint="the prompt must be expanded by the same processor that produced the tensors",
+            )
+        placements = []
+        at = 0
+        for index, (t, h, w) in enumerate(grids):
+            per_group = h * w // merge**2
+            first: int | None = None
+            previous_end: int | None = None
+            for group in range(t):
+                offset, length = runs[at + group]
+                where = f"temporal patch {group} ({self.placeholder_token} run at offset {offset})"
+                if length != per_group:
+                    raise ProcessedInputError(
+                        "video",
+                        item=index,
+                        field="prompt_token_ids",
+                        expected=f"{per_group} {self.placeholder_token} tokens per temporal patch "
+                        f"(h*w/{merge * merge} of video_grid_thw={[t, h, w]})",
+                        found=f"{length} in {where}",
+                    )
+                if (
+                    offset == 0
+                    or ids[offset - 1] != start_id
+                    or offset + length >= ids.size
+                    or ids[offset + length] != end_id
+                ):
+                    raise ProcessedInputError(
+                        "video",
+                        item=index,
+                        field="prompt_token_ids",
+                        expected=f"every temporal patch's placeholders between {self.start_token} and {self.end_token}",
+                        found=f"other tokens around {where}",
+                    )
+                stamp = self._timestamp(ids, offset - 1, previous_end, tokenizer)
+                if stamp is None:
+                    raise ProcessedInputError(
+                        "video",
+                        item=index,
+                        field="prompt_token_ids",
+                        expected=f"a timestamp ('<1.5 seconds>', tokenized on its own) right before the "
+                        f"{self.start_token} of every temporal patch"
+                        + (f", and nothing else after the {self.end_token} of the one before" if group else ""),
+                        found=f"none before {where}",
+                    )
+                first = stamp if first is None else first
+                previous_end = offset + length
+            assert first is not None and previous_end is not None  # t >= 1: _check_grid
+            placements.append(
+                Placement(first, previous_end + 1 - first, (ids[first : previous_end + 1] == token_id).tolist())
+            )
+            at += t
+        return placements
+
+    def _timestamp(self, ids: np.ndarray, start: int, previous_end: int | None, tokenizer: Any) -> int | None:
+        """Where the timestamp before the ``<|vision_start|>`` at ``start`` begins: the shortest run
+        of tokens before it whose text is a timestamp and which the tokenizer gives that text (the
+        whole gap after ``previous_end``, the ``<|vision_end|>`` of the group before, if any)."""
+        if previous_end is not None:
+            candidates = [previous_end + 1] if previous_end + 1 < start else []
+        else:
+            candidates = list(range(start - 1, max(start - self.MAX_TIMESTAMP_TOKENS, 0) - 1, -1))
+        for begin in candidates:
+            tokens = ids[begin:start].tolist()
+            text = tokenizer.decode(tokens)
+            if self.TIMESTAMP.fullmatch(text) and tokenizer.encode(text, add_special_tokens=False) == tokens:
+                return begin
+        return None
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ For a request whose multimodal data are processed dicts (``{"pixel_values": ...,
    anything reaches the engine;
 2. hands the tensors to the model unchanged (the family's own vLLM post-processing still maps HF
    names onto the model's kwargs, e.g. Omni's ``input_features`` -> ``input_audio_features``);
-3. never expands the prompt: it locates each item's placeholder run and checks its length against
-   the count the item's tensors imply;
+3. never expands the prompt: it locates each item's placeholders (``ModalitySpec.locate``: one run
+   by default) and checks them against the count the item's tensors imply;
 4. hashes each item by content (vLLM's hasher over the item's tensors; ``mm_llm`` gives the items
    that came in a wire form an identity of that form instead: ``ModalitySpec.wire_item_ids``).
 
@@ -30,7 +30,6 @@ from mmserve import vllm_seam
 from mmserve.errors import ProcessedInputError
 from mmserve.families.base import FamilySpec
 from mmserve.passthrough.items import ProcessedItems
-from mmserve.passthrough.placeholders import locate_items
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -109,15 +108,13 @@ class PassthroughProcessorMixin(vllm_seam.MultiModalProcessorHooks):
             if modality in placed:
                 continue
             assert isinstance(items, ProcessedItems)
-            runs = locate_items(
+            placed[modality] = items.spec.locate(
                 prompt_ids,
-                modality=modality,
-                token=items.spec.placeholder_token,
+                items,
                 token_id=token_ids[modality],
-                expected=items.expected_tokens(),
-                describe=items.describe(),
+                hf_config=items.hf_config,
+                tokenizer=self.info.get_tokenizer(),  # type: ignore[attr-defined]
             )
-            placed[modality] = [vllm_seam.Placement(offset, length) for offset, length in runs]
         return placed
 
 

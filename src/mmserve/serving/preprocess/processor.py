@@ -483,13 +483,18 @@ class Preprocessor:
         *,
         raw_prompt: bool,
         videos: Sequence[Video] = (),
+        processed: Mapping[str, Any] | None = None,
     ) -> None:
         given = {"image": len(images), "audio": len(clips), "video": len(videos)}
         for modality, (token, token_id) in self.placeholder_ids.items():
             if modality in ("audio", "video") and any(video.audio is not None for video in videos):
                 continue  # in chunks by time: mm_llm's pass-through checks the layout
             runs = len(placeholder_runs(input_ids, token_id))
-            if runs == given.get(modality, 0):
+            spec = self.family.modality(modality)
+            count = given.get(modality, 0)
+            if spec is not None and count and runs == spec.placeholder_runs(processed or {}, count):
+                continue  # e.g. Qwen3-VL: a run per temporal patch of a video
+            if runs == count:
                 continue
             self._blame_item(images, clips, videos)  # e.g. a clip too short for one embedding
             if not raw_prompt:
@@ -583,7 +588,7 @@ class Preprocessor:
                 f"placeholders), over the limit of {self.limits.max_prompt_tokens} (max_prompt_tokens)"
             )
         self._check_placeholders(
-            input_ids, pil_images, clips, raw_prompt=not apply_chat_template, videos=decoded_videos
+            input_ids, pil_images, clips, raw_prompt=not apply_chat_template, videos=decoded_videos, processed=processed
         )
         if with_audio:
             processed = {**processed, "use_audio_in_video": np.ones(len(decoded_videos), dtype=bool)}

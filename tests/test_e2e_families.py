@@ -1,0 +1,84 @@
+"""The families beyond the default model, served end to end: ``model_repository/`` on a real tritonserver
+with ``MMSERVE_MODEL`` naming the family's tiny checkpoint (the repository unchanged), an image and a
+video file through ``mm_ensemble`` (the project's client) and through the OpenAI gateway (the
+``openai`` SDK), against HF transformers on the same media (which vLLM on the raw media equals:
+``tests/test_family_<family>.py``).
+
+The server is this module's own, started before the session's shared server and stopped before it
+starts (``own_server``): one engine at a time."""
+
+from __future__ import annotations
+
+import base64
+import os
+
+import pytest
+
+from mmserve import settings
+from mmserve_dev.samples import encode_image, encode_video, sample_image, sample_video
+
+from utils import ROOT, Endpoints, hf_on_frames
+from utils import client as _client
+
+pytestmark = [pytest.mark.server, pytest.mark.own_server]
+
+FAMILIES = ["qwen3_vl"]
+MAX_TOKENS = 12
+QUESTION = "What happens?"
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_server(request, tiny_models, tmp_path_factory):
+    from test_openai import Gateway
+
+    from mmserve_dev.triton import TritonServer
+
+    if settings.TRITON_GRPC_URL.get():
+        pytest.skip("MMSERVE_TRITON_GRPC_URL: the suite starts no server, and this module needs one per family")
+    env = {
+        settings.MODEL.name: str(tiny_models[request.param]),
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    }
+    with TritonServer(
+        ROOT / "model_repository", env=env, shm_default_byte_size=32 * 1024 * 1024, drain="mm_llm"
+    ) as triton:
+        server = Endpoints(triton.grpc_url, triton.http_url, triton.metrics_url, server=triton)
+        gateway = Gateway(server.grpc, tmp_path_factory.mktemp("gateway") / "gateway.log")
+        try:
+            yield request.param, server, gateway
+        finally:
+            gateway.stop()
+
+
+def test_an_image_and_a_video_through_the_ensemble_and_the_gateway(family_server, tiny_models):
+    """mm_ensemble's greedy tokens for an image and a video file = HF transformers' on the image and
+    the frames the file was made from; the gateway's answer (image_url and video_url data URLs) is
+    mm_ensemble's text."""
+    import torch
+
+    from mmserve_dev.hf_reference import HFReference, chat_prompt
+
+    family, server, gateway = family_server
+    reference = HFReference(family, tiny_models[family])
+    image, frames = sample_image(61, size=(256, 192)), sample_video(62, frames=10)
+    text = chat_prompt(family, reference.processor, ["image", "video", f"text:{QUESTION}"])
+    inputs = hf_on_frames(reference.processor, text, [image], [frames]).convert_to_tensors("pt")
+    with torch.no_grad():
+        out = reference.model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    expected = out[0, inputs["input_ids"].shape[1] :].tolist()
+
+    png, mov = encode_image(image), encode_video(frames)
+    result = _client(server).generate(QUESTION, [png], videos=[mov], max_tokens=MAX_TOKENS, temperature=0.0)
+    assert result.output_ids == expected
+    assert result.num_input_tokens == inputs["input_ids"].shape[1]
+
+    content = [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
+        {"type": "video_url", "video_url": {"url": "data:video/quicktime;base64," + base64.b64encode(mov).decode()}},
+        {"type": "text", "text": QUESTION},
+    ]
+    reply = gateway.sdk().chat.completions.create(
+        model="mm_ensemble", messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS, temperature=0.0
+    )
+    assert reply.choices[0].message.content == result.text
+    assert reply.usage.prompt_tokens == result.num_input_tokens
