@@ -634,6 +634,17 @@ ATTACKS: dict[str, tuple[Callable[[Target], Case], tuple[str, str]]] = {
         _audio("embeds", "dtype:audio_feature_lengths", _set("audio_feature_lengths", 128, "uint64")),
         ("audio", "audio_feature_lengths"),
     ),
+    # found by the property: one value of 1e30 in Qwen3-VL's pixel_values_videos made its tower's
+    # output NaN, and the next request answered token 0 (MAX_PIXEL_VALUE)
+    "pixel_values_videos 1e30": (
+        lambda target: Case(
+            "video",
+            "patches",
+            [Item(grid=[2, 4, 4], seconds=0.5, rows=32, run=8)],
+            edits=[("magnitude:pixel_values_videos", _set("pixel_values_videos", 1e30))],
+        ),
+        ("video", "pixel_values_videos"),
+    ),
     "input_features 1e25": (
         _audio("features", "magnitude:input_features", _set("input_features", 1e25)),
         ("audio", "input_features"),
@@ -647,6 +658,8 @@ def test_the_reported_attacks_are_refused_and_the_engine_lives(target, attack):
     case = build(target)
     if (case.modality, case.form) not in target.forms:
         pytest.skip(f"{target.name} takes no {case.modality} as {case.form}")
+    if field not in field_names(case, target):
+        pytest.skip(f"{target.name} takes no {field}")
     kind, message = outcome(case, target)
     assert kind == REFUSED and message.startswith(modality) and f", {field}: expected" in message, message
     good = dataclasses.replace(build(target), edits=[])

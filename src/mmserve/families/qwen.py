@@ -127,8 +127,19 @@ def _check_patch_rows(field: str, rows: int, grid: Any, modality: str = "image")
         )
 
 
+MAX_PIXEL_VALUE = 64.0
+"""The largest magnitude of a normalized pixel the Qwen vision towers take. Every Qwen processor
+rescales 8-bit pixels and normalizes them per channel: CLIP's mean and std (Qwen2-VL, Qwen2.5-VL,
+Qwen2.5-Omni) give values within [-1.8, 2.2], Qwen3-VL's 0.5 and 0.5 within [-1, 1]. Far larger
+finite values overflow a tower's float32 arithmetic: one value of 1e30 in ``pixel_values_videos``
+made the Qwen3-VL tower's output NaN (its LayerNorm's variance), and those NaN keys and values in
+vLLM's CPU KV cache made the next, unrelated request answer token 0 (found by
+``tests/test_property_engine.py``); half-precision deployments overflow far sooner."""
+
+
 def _check_patches(modality: str, field: str, pixels: Any, grid: Any, patch_dim: int) -> None:
-    """``field`` holds ``patch_dim`` values per patch and as many patches as the grid says."""
+    """``field`` holds ``patch_dim`` values per patch, as many patches as the grid says, each within
+    ``MAX_PIXEL_VALUE``."""
     if pixels.shape[1] != patch_dim:
         raise ProcessedInputError(
             modality,
@@ -137,6 +148,29 @@ def _check_patches(modality: str, field: str, pixels: Any, grid: Any, patch_dim:
             found=f"shape {tuple(pixels.shape)}",
         )
     _check_patch_rows(field, pixels.shape[0], grid, modality)
+    if pixels.numel() and (beyond := _beyond(pixels, MAX_PIXEL_VALUE)):
+        raise ProcessedInputError(
+            modality,
+            field=field,
+            expected=f"normalized pixel values within [-{MAX_PIXEL_VALUE:g}, {MAX_PIXEL_VALUE:g}] (the processor's "
+            "normalization of 8-bit pixels: within [-1.8, 2.2] for every Qwen checkpoint)",
+            found=f"{beyond[0]} value(s) beyond, up to {beyond[1]:g} in magnitude",
+        )
+
+
+def _beyond(tensor: Any, bound: float) -> tuple[int, float] | None:
+    """(how many, the largest magnitude) of a float tensor's values beyond ``bound`` in magnitude,
+    or None. Through NumPy where it can (one pass; see ``base.non_finite_count``)."""
+    import torch
+
+    if tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64, torch.float16):
+        array = np.abs(tensor.detach().numpy())
+    else:
+        array = tensor.detach().abs().float().cpu().numpy()
+    peak = float(array.max())
+    if peak <= bound:
+        return None
+    return int(np.count_nonzero(array > bound)), peak
 
 
 def _check_grid(modality: str, grid: Any, merge: int, positions: int) -> list[tuple[int, int, int]]:
