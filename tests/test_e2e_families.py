@@ -22,12 +22,13 @@ from utils import client as _client
 
 pytestmark = [pytest.mark.server, pytest.mark.own_server]
 
-FAMILIES = ["qwen3_vl"]
+FAMILIES = {"qwen3_vl": ["image", "video"], "internvl": ["image", "image"]}
+"""Per family, the media of the live request: an image and a video where it takes video."""
 MAX_TOKENS = 12
 QUESTION = "What happens?"
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def family_server(request, tiny_models, tmp_path_factory):
     from test_openai import Gateway
 
@@ -50,9 +51,9 @@ def family_server(request, tiny_models, tmp_path_factory):
             gateway.stop()
 
 
-def test_an_image_and_a_video_through_the_ensemble_and_the_gateway(family_server, tiny_models):
-    """mm_ensemble's greedy tokens for an image and a video file = HF transformers' on the image and
-    the frames the file was made from; the gateway's answer (image_url and video_url data URLs) is
+def test_media_through_the_ensemble_and_the_gateway(family_server, tiny_models):
+    """mm_ensemble's greedy tokens for image and video files = HF transformers' on the images and
+    the frames the files were made from; the gateway's answer (image_url and video_url data URLs) is
     mm_ensemble's text."""
     import torch
 
@@ -60,21 +61,30 @@ def test_an_image_and_a_video_through_the_ensemble_and_the_gateway(family_server
 
     family, server, gateway = family_server
     reference = HFReference(family, tiny_models[family])
-    image, frames = sample_image(61, size=(256, 192)), sample_video(62, frames=10)
-    text = chat_prompt(family, reference.processor, ["image", "video", f"text:{QUESTION}"])
-    inputs = hf_on_frames(reference.processor, text, [image], [frames]).convert_to_tensors("pt")
+    parts = FAMILIES[family]
+    sizes = iter([(224, 224), (448, 224)])  # InternVL: 1 and 3 tiles (a 4:3 image takes 13, 3328 tokens)
+    images = [sample_image(61 + i, size=next(sizes)) for i, part in enumerate(parts) if part == "image"]
+    videos = [sample_video(62 + i, frames=10) for i, part in enumerate(parts) if part == "video"]
+    text = chat_prompt(family, reference.processor, [*parts, f"text:{QUESTION}"])
+    inputs = hf_on_frames(reference.processor, text, images, videos).convert_to_tensors("pt")
     with torch.no_grad():
         out = reference.model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
     expected = out[0, inputs["input_ids"].shape[1] :].tolist()
 
-    png, mov = encode_image(image), encode_video(frames)
-    result = _client(server).generate(QUESTION, [png], videos=[mov], max_tokens=MAX_TOKENS, temperature=0.0)
+    pngs, movs = [encode_image(image) for image in images], [encode_video(frames) for frames in videos]
+    result = _client(server).generate(QUESTION, pngs, videos=movs, max_tokens=MAX_TOKENS, temperature=0.0)
     assert result.output_ids == expected
     assert result.num_input_tokens == inputs["input_ids"].shape[1]
 
     content = [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
-        {"type": "video_url", "video_url": {"url": "data:video/quicktime;base64," + base64.b64encode(mov).decode()}},
+        *(
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
+            for png in pngs
+        ),
+        *(
+            {"type": "video_url", "video_url": {"url": "data:video/quicktime;base64," + base64.b64encode(mov).decode()}}
+            for mov in movs
+        ),
         {"type": "text", "text": QUESTION},
     ]
     reply = gateway.sdk().chat.completions.create(

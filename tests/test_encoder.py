@@ -85,6 +85,24 @@ def test_vl_vision_tower(tiny_models):
         towers.audio(np.zeros((1, 128, 10), np.float32), np.ones((1, 10), np.int32))
 
 
+def test_qwen3_vl_vision_tower_with_its_deepstack_levels(tiny_models):
+    """Qwen3-VL's tower loaded alone gives the full HF model's visual output: the merger's rows, then
+    each DeepStack level's, side by side (what vLLM's Qwen3-VL takes as image_embeds and splits)."""
+    from mmserve.encoder import Towers
+    from mmserve_dev.hf_reference import HFReference
+
+    reference = HFReference("qwen3_vl", tiny_models["qwen3_vl"])
+    towers = Towers(tiny_models["qwen3_vl"])
+    tensors = _preprocessed(tiny_models["qwen3_vl"], images=[encode_image(sample_image(7, size=(256, 192)))])
+    pixels, grid = torch.from_numpy(tensors["pixel_values"]), torch.from_numpy(tensors["image_grid_thw"])
+    with torch.inference_mode():
+        out = reference.model.model.visual(pixels, grid_thw=grid)
+    want = torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
+    got = towers.image(tensors["pixel_values"], tensors["image_grid_thw"])
+    assert got.shape == (int(grid.prod()) // 4, 128 * 2)  # hidden x (1 + 1 DeepStack level)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_a_family_without_towers_says_so(tiny_models, monkeypatch):
     """A family that declares no towers (a user's own, say) can't be encoded apart."""
     import dataclasses

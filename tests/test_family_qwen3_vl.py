@@ -284,10 +284,13 @@ def test_parity_with_hf(engine, reference):
 
 
 @pytest.mark.engine
-def test_files_through_preprocess_match_hf_and_bad_layouts_leave_the_engine_serving(engine, reference, preprocessor):
+def test_files_through_preprocess_match_hf_and_bad_layouts_leave_the_engine_serving(
+    engine, reference, preprocessor, tiny_models
+):
     """An image and a video file through ``preprocess`` then the engine = HF on the frames; two videos
-    of the same size and different content, concurrently, each its own answer; a prompt whose video
-    groups were merged is refused and the next request answers as before."""
+    of the same size and different content, concurrently, each its own answer; the vision tower's
+    outputs in place of the features (encoder offload) the same; a prompt whose video groups were
+    merged is refused and the next request answers as before."""
     import json
 
     from mmserve.families import get_family
@@ -309,6 +312,22 @@ def test_files_through_preprocess_match_hf_and_bad_layouts_leave_the_engine_serv
         expected.append(hf_tokens(reference, hf_inputs(reference, ["image", "video"], [image], [video])[1]))
     assert expected[0] != expected[1]
     assert engine.submit(run_concurrently(engine, prompts, stagger_s=0.0)).result() == expected
+
+    # the encoder apart (mmserve.encoder: the tower alone, its DeepStack levels beside its output)
+    from mmserve.encoder import Encoder, Towers
+
+    encoder = Encoder(Towers(tiny_models[FAMILY]), cache_bytes=0)
+    content = [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "What happens?"}]
+    wire = preprocessor(
+        None,
+        [encode_image(image)],
+        messages=json.dumps([{"role": "user", "content": content}]),
+        videos=[encode_video(videos[0])],
+    )
+    encoded = preprocessor.decode_wire(encoder.encoded(wire))
+    assert "image_embeds" in encoded and "video_embeds" in encoded and "pixel_values_videos" not in encoded
+    got = engine.generate_sync(processed_prompt(family, encoded["input_ids"], encoded), greedy(12))
+    assert list(got.outputs[0].token_ids) == expected[0], "vLLM on the tower's outputs != HF"
 
     ids = list(prompts[0]["prompt_token_ids"])
     bad = {**prompts[0], "prompt_token_ids": merged_groups(ids, reference.model.config)}

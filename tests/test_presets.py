@@ -126,6 +126,23 @@ REAL: dict[str, RealCheckpoint] = {
             "size": {"longest_edge": 25165824, "shortest_edge": 4096},
         },
     ),
+    "InternVL3-8B-hf": RealCheckpoint(
+        "internvl",
+        ("InternVLForConditionalGeneration",),
+        32768,
+        {"text": 28, "vision": 16},
+        4,
+        {
+            "crop_to_patches": True,
+            "min_patches": 1,
+            "max_patches": 12,
+            "size": {"height": 448, "width": 448},
+            "image_mean": [0.485, 0.456, 0.406],
+            "image_std": [0.229, 0.224, 0.225],
+            "image_processor_type": "GotOcr2ImageProcessorFast",
+            "processor_class": "InternVLProcessor",
+        },
+    ),
     "Qwen2-Audio-7B-Instruct": RealCheckpoint(
         "qwen2_audio",
         ("Qwen2AudioForConditionalGeneration",),
@@ -382,10 +399,13 @@ def test_preprocess_runs_the_checkpoints_settings(hub_name, checkpoints):
     size = dict(image_processor.size) if image_processor is not None else {}
     if "max_pixels" in settings:
         assert (size["shortest_edge"], size["longest_edge"]) == (settings["min_pixels"], settings["max_pixels"])
-    if "size" in settings:  # Qwen3-VL's processors: size alone, the video's over all its frames
+    if "size" in settings:  # Qwen3-VL's (pixels over all of a video's frames), InternVL's (a tile)
         assert size == settings["size"]
-        video, real_video = checkpoint.preprocessor.processor.video_processor, checkpoint.real.video_preprocessor_config
-        assert real_video is not None and video.size == real_video["size"] and video.fps == 2
+    if checkpoint.real.video_preprocessor_config is not None:
+        video = checkpoint.preprocessor.processor.video_processor
+        assert video.size == checkpoint.real.video_preprocessor_config["size"]
+    if "max_patches" in settings:
+        assert checkpoint.preprocessor.processor.image_processor.max_patches == settings["max_patches"]
     if "n_samples" in settings:
         extractor = checkpoint.preprocessor.processor.feature_extractor
         assert extractor.n_samples == settings["n_samples"]  # 300 s for Omni, 30 s for Qwen2-Audio

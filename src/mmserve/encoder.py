@@ -122,6 +122,9 @@ class Towers:
         tower = self._tower(modality)
         with torch.inference_mode():
             out = tower(self._tensor(pixels).to(self.dtype), grid_thw=self._tensor(grid))
+        deepstack = getattr(out, "deepstack_features", None)
+        if deepstack:  # Qwen3-VL: its DeepStack levels after the merger's output, as vLLM's tower gives them
+            return torch.cat([out.pooler_output, *deepstack], dim=-1)
         return out.pooler_output
 
     def _tower(self, modality: str) -> torch.nn.Module:

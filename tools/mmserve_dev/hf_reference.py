@@ -60,6 +60,7 @@ def chat_prompt(family_name: str, processor, parts: Sequence[str], *, system: st
         "qwen2_5_vl": {"image", "video"},
         "qwen2_audio": {"audio"},
         "qwen3_vl": {"image", "video"},
+        "internvl": {"image", "video"},
     }[family_name]
     content: list[dict[str, Any]] = []
     for part in parts:
@@ -87,6 +88,8 @@ def _model_class(family_name: str):
         return transformers.Qwen2_5OmniThinkerForConditionalGeneration
     if family_name == "qwen3_vl":
         return transformers.Qwen3VLForConditionalGeneration
+    if family_name == "internvl":
+        return transformers.InternVLForConditionalGeneration
     raise ValueError(f"unknown family {family_name!r}; expected one of {FAMILY_NAMES}")
 
 

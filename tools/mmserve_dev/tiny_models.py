@@ -16,6 +16,10 @@ Families (``FAMILIES``):
   HF builds neither module when audio output is disabled.
 * ``qwen2_5_vl`` - ``Qwen2_5_VLForConditionalGeneration`` (text + image).
 * ``qwen2_audio`` - ``Qwen2AudioForConditionalGeneration`` (text + audio).
+* ``internvl`` - ``InternVLForConditionalGeneration`` in transformers' format (InternVL3-*-hf): the
+  InternViT tower, pixel shuffle and an MLP projector over a Qwen2 language model; images tiled by
+  ``GotOcr2ImageProcessor`` (a thumbnail beside up to ``max_patches`` tiles), each tile one
+  ``<img><IMG_CONTEXT>...</img>`` run per image, video frames one run each (``Frame1: <img>...``).
 * ``qwen3_vl`` - ``Qwen3VLForConditionalGeneration`` (text + image + video): the Qwen3 language model
   (q/k norms, interleaved M-RoPE) and the Qwen3-VL vision tower (patch 16, learned position grid,
   DeepStack features merged into the first decoder layers), with the real checkpoints' processors
@@ -65,7 +69,7 @@ from mmserve_dev.samples import AUDIO_SAMPLE_RATE
 # Bump whenever anything below changes what is written: existing directories are then rebuilt.
 BUILDER_VERSION = 1
 MARKER_FILE = "mmserve_tiny_model.json"
-FAMILY_NAMES: tuple[str, ...] = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio", "qwen3_vl")
+FAMILY_NAMES: tuple[str, ...] = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio", "qwen3_vl", "internvl")
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "models"
 
 # ---------------------------------------------------------------------------------------------------
@@ -119,6 +123,22 @@ QWEN3_VISION = dict(
 QWEN3_MIN_PIXELS = 64 * 64  # image: at least 4 placeholder tokens
 QWEN3_MAX_PIXELS = 512 * 512  # image: at most (512/32)^2 = 256
 QWEN3_VIDEO_MAX_PIXELS = 32 * 32 * 512  # a video's frames together: at most 512 tokens
+# InternVL: as the real checkpoints (InternVL3-*-hf), tiles of 448x448 in patches of 14, pixel-shuffled
+# by 0.5: 256 placeholders per tile; up to 12 tiles and a thumbnail per image.
+INTERNVL_VISION = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,  # head_dim 32
+    intermediate_size=128,
+    image_size=[448, 448],
+    patch_size=[14, 14],
+    norm_type="layer_norm",
+    use_qk_norm=False,
+    hidden_act="gelu",
+)
+INTERNVL_TILE = 448
+INTERNVL_TOKENS_PER_TILE = (448 // 14) ** 2 // 4  # 256
+INTERNVL_MAX_PATCHES = 12
 MIN_PIXELS = 56 * 56  # 3136
 MAX_PIXELS = 448 * 448  # 200704: at most (448/14/2)^2 = 256 placeholder tokens per image
 
@@ -168,6 +188,15 @@ SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {
         "<|image_pad|>",
         "<|video_pad|>",
     ),
+    "internvl": (
+        ENDOFTEXT,
+        IM_START,
+        IM_END,
+        "<img>",
+        "</img>",
+        "<IMG_CONTEXT>",
+        "<video>",
+    ),
     "qwen2_audio": (
         ENDOFTEXT,
         IM_START,
@@ -206,6 +235,12 @@ TOKENIZER_TOKEN_ATTRIBUTES: dict[str, dict[str, str]] = {
         "video_token": "<|video_pad|>",
         "vision_start_token": "<|vision_start|>",
         "vision_end_token": "<|vision_end|>",
+    },
+    "internvl": {
+        "start_image_token": "<img>",
+        "end_image_token": "</img>",
+        "context_image_token": "<IMG_CONTEXT>",
+        "video_token": "<video>",
     },
     "qwen2_audio": {
         "audio_token": "<|AUDIO|>",
@@ -293,6 +328,21 @@ CHAT_TEMPLATES: dict[str, str] = {
 }
 
 CHAT_TEMPLATES["qwen3_vl"] = CHAT_TEMPLATES["qwen2_5_vl"]
+# InternVL3-*-hf's: an image part is "<IMG_CONTEXT>\n", a video part "<video>\n" (the processor expands
+# them), the system prompt its own.
+CHAT_TEMPLATES["internvl"] = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\n你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位联合开发的多模态大语言模型。<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n"
+    "{% else %}"
+    "{% for content in message['content'] %}"
+    "{% if " + _IS_IMAGE + " %}<IMG_CONTEXT>\n"
+    "{% elif " + _IS_VIDEO + " %}<video>\n" + _TEMPLATE_TAIL
+)
 
 # ---------------------------------------------------------------------------------------------------
 # Tokenizer training text: sentences drawn with a seeded RNG from this fixed word list.
@@ -455,6 +505,7 @@ def _text_config(vocab_size: int, ids: dict[str, int], *, mrope: bool, interleav
 def build_config(family_name: str, tokenizer):
     """The family's HF config (the top-level config that goes into config.json)."""
     from transformers import (
+        InternVLConfig,
         Qwen2_5_VLConfig,
         Qwen2_5OmniConfig,
         Qwen2_5OmniTalkerConfig,
@@ -495,6 +546,19 @@ def build_config(family_name: str, tokenizer):
             tie_word_embeddings=False,
         )
         config.architectures = ["Qwen3VLForConditionalGeneration"]
+    elif family_name == "internvl":
+        config = InternVLConfig(
+            vision_config=dict(INTERNVL_VISION),
+            text_config=_text_config(vocab_size, ids, mrope=False, model_type="qwen2"),
+            image_token_id=ids["<IMG_CONTEXT>"],
+            image_seq_length=INTERNVL_TOKENS_PER_TILE,
+            downsample_ratio=0.5,
+            projector_hidden_act="gelu",
+            vision_feature_layer=-1,
+            vision_feature_select_strategy="default",
+            tie_word_embeddings=False,
+        )
+        config.architectures = ["InternVLForConditionalGeneration"]
     elif family_name == "qwen2_audio":
         config = Qwen2AudioConfig(
             audio_config=dict(AUDIO_ENCODER, model_type="qwen2_audio_encoder"),
@@ -597,6 +661,20 @@ def build_processor(family_name: str, tokenizer):
         )
 
     template = CHAT_TEMPLATES[family_name]
+    if family_name == "internvl":
+        from transformers import GotOcr2ImageProcessor, InternVLProcessor, InternVLVideoProcessor
+
+        tile = {"height": INTERNVL_TILE, "width": INTERNVL_TILE}
+        imagenet = dict(image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+        return InternVLProcessor(
+            image_processor=GotOcr2ImageProcessor(
+                size=tile, crop_to_patches=True, min_patches=1, max_patches=INTERNVL_MAX_PATCHES, **imagenet
+            ),
+            tokenizer=tokenizer,
+            video_processor=InternVLVideoProcessor(size=tile, **imagenet),
+            image_seq_length=INTERNVL_TOKENS_PER_TILE,
+            chat_template=template,
+        )
     if family_name == "qwen3_vl":
         # As the real checkpoints' (Qwen3-VL-*-Instruct): mean/std 0.5, 2 fps sampled, 4 to 768 frames.
         patches = dict(
@@ -670,7 +748,7 @@ def _init_parameters(model, family_name: str, seed: int) -> None:
             elif param.ndim == 1 and ("norm" in name or "ln_" in name):
                 table = np.full(param.shape, 1.0 if name.endswith("weight") else 0.0)
             else:
-                in_llm = "audio_tower" not in name and "visual" not in name
+                in_llm = "audio_tower" not in name and "visual" not in name and "vision_tower" not in name
                 if "embed_tokens" in name:
                     std = EMBED_STD
                 elif "lm_head" in name:
@@ -692,6 +770,7 @@ def _model_class(family_name: str):
         "qwen2_audio": transformers.Qwen2AudioForConditionalGeneration,
         "qwen2_5_omni": transformers.Qwen2_5OmniForConditionalGeneration,
         "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+        "internvl": transformers.InternVLForConditionalGeneration,
     }[family_name]
 
 
@@ -699,6 +778,13 @@ def _model_class(family_name: str):
 # (and vLLM's loader) is language_model.model.*. HF loads either.
 _KEY_FIXES: dict[str, list[tuple[str, str]]] = {
     "qwen2_audio": [(r"^language_model\.model\.model\.", "language_model.model.")],
+    # InternVL: transformers 5.19 writes the legacy layout; the -hf checkpoints hold this one
+    "internvl": [
+        (r"^language_model\.model\.", "model.language_model."),
+        (r"^language_model\.lm_head\.", "lm_head."),
+        (r"^vision_tower\.", "model.vision_tower."),
+        (r"^multi_modal_projector\.", "model.multi_modal_projector."),
+    ],
 }
 
 

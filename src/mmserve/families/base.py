@@ -218,6 +218,21 @@ class ModalitySpec(ABC):
         )
         return [Placement(offset, length) for offset, length in runs]
 
+    def model_inputs(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> dict[str, torch.Tensor]:
+        """The tensors the family's vLLM model takes for this modality, from the fields ``validate``
+        accepted: what its stock processor hands it (the item split, the hashes and the model see
+        these). Default: the fields as they are. InternVL: tiles back to (tiles, 3, H, W) from the
+        wire's rows, and the model's own ``image_token_id``."""
+        return dict(data)
+
+    def complete(self, processed: Mapping[str, Any], input_ids: np.ndarray, token_id: int) -> dict[str, Any]:
+        """In ``preprocess``: the HF processor's output for this modality (``processed``: its fields
+        that are present) with what it lacks and ``fields`` need, read from the prompt it expanded
+        (``input_ids``; ``token_id``: the placeholder's). Default: as is. InternVL: its processor
+        merges every image's tiles into one tensor and drops the tiles per image, which each image's
+        run of placeholders tells."""
+        return dict(processed)
+
     def placeholder_runs(self, tensors: Mapping[str, Any], items: int) -> int:
         """Runs of the placeholder token that ``items`` items take in a prompt the family's processor
         expanded, from its tensors of them (``tensors``): what ``preprocess`` checks its prompt
@@ -366,6 +381,43 @@ class FamilySpec:
     @property
     def hf_overrides(self) -> dict[str, list[str]]:
         return {"architectures": [self.passthrough_architecture]}
+
+
+MAX_PIXEL_VALUE = 64.0
+"""The largest magnitude of a normalized pixel the vision towers take. Every processor served here
+rescales 8-bit pixels and normalizes them per channel: CLIP's mean and std (Qwen2-VL, Qwen2.5-VL,
+Qwen2.5-Omni) give values within [-1.8, 2.2], ImageNet's (InternVL) within [-2.2, 2.7], Qwen3-VL's 0.5
+and 0.5 within [-1, 1]. Far larger finite values overflow a tower's float32 arithmetic: one value of
+1e30 in ``pixel_values_videos`` made the Qwen3-VL tower's output NaN (its LayerNorm's variance), and
+those NaN keys and values in vLLM's CPU KV cache made the next, unrelated request answer token 0
+(found by ``tests/test_property_engine.py``); half-precision deployments overflow far sooner."""
+
+
+def check_pixel_magnitude(modality: str, field: str, pixels: torch.Tensor) -> None:
+    """``pixels`` (normalized) within ``MAX_PIXEL_VALUE``; raise ``ProcessedInputError``."""
+    if pixels.numel() and (found := beyond(pixels, MAX_PIXEL_VALUE)):
+        raise ProcessedInputError(
+            modality,
+            field=field,
+            expected=f"normalized pixel values within [-{MAX_PIXEL_VALUE:g}, {MAX_PIXEL_VALUE:g}] (a processor's "
+            "normalization of 8-bit pixels: within [-2.2, 2.7] for every checkpoint served here)",
+            found=f"{found[0]} value(s) beyond, up to {found[1]:g} in magnitude",
+        )
+
+
+def beyond(tensor: torch.Tensor, bound: float) -> tuple[int, float] | None:
+    """(how many, the largest magnitude) of a float tensor's values beyond ``bound`` in magnitude,
+    or None. Through NumPy where it can (one pass; see ``non_finite_count``)."""
+    import torch
+
+    if tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64, torch.float16):
+        array = np.abs(tensor.detach().numpy())
+    else:
+        array = tensor.detach().abs().float().cpu().numpy()
+    peak = float(array.max())
+    if peak <= bound:
+        return None
+    return int(np.count_nonzero(array > bound)), peak
 
 
 def _beyond_float32_count(tensor: torch.Tensor) -> int:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mmserve.errors import ProcessedInputError
-from mmserve.families.base import FieldSpec, ModalitySpec, WireDecoder
+from mmserve.families.base import FieldSpec, ModalitySpec, WireDecoder, check_pixel_magnitude
 
 if TYPE_CHECKING:
     import torch
@@ -127,19 +127,9 @@ def _check_patch_rows(field: str, rows: int, grid: Any, modality: str = "image")
         )
 
 
-MAX_PIXEL_VALUE = 64.0
-"""The largest magnitude of a normalized pixel the Qwen vision towers take. Every Qwen processor
-rescales 8-bit pixels and normalizes them per channel: CLIP's mean and std (Qwen2-VL, Qwen2.5-VL,
-Qwen2.5-Omni) give values within [-1.8, 2.2], Qwen3-VL's 0.5 and 0.5 within [-1, 1]. Far larger
-finite values overflow a tower's float32 arithmetic: one value of 1e30 in ``pixel_values_videos``
-made the Qwen3-VL tower's output NaN (its LayerNorm's variance), and those NaN keys and values in
-vLLM's CPU KV cache made the next, unrelated request answer token 0 (found by
-``tests/test_property_engine.py``); half-precision deployments overflow far sooner."""
-
-
 def _check_patches(modality: str, field: str, pixels: Any, grid: Any, patch_dim: int) -> None:
     """``field`` holds ``patch_dim`` values per patch, as many patches as the grid says, each within
-    ``MAX_PIXEL_VALUE``."""
+    ``base.MAX_PIXEL_VALUE``."""
     if pixels.shape[1] != patch_dim:
         raise ProcessedInputError(
             modality,
@@ -148,29 +138,7 @@ def _check_patches(modality: str, field: str, pixels: Any, grid: Any, patch_dim:
             found=f"shape {tuple(pixels.shape)}",
         )
     _check_patch_rows(field, pixels.shape[0], grid, modality)
-    if pixels.numel() and (beyond := _beyond(pixels, MAX_PIXEL_VALUE)):
-        raise ProcessedInputError(
-            modality,
-            field=field,
-            expected=f"normalized pixel values within [-{MAX_PIXEL_VALUE:g}, {MAX_PIXEL_VALUE:g}] (the processor's "
-            "normalization of 8-bit pixels: within [-1.8, 2.2] for every Qwen checkpoint)",
-            found=f"{beyond[0]} value(s) beyond, up to {beyond[1]:g} in magnitude",
-        )
-
-
-def _beyond(tensor: Any, bound: float) -> tuple[int, float] | None:
-    """(how many, the largest magnitude) of a float tensor's values beyond ``bound`` in magnitude,
-    or None. Through NumPy where it can (one pass; see ``base.non_finite_count``)."""
-    import torch
-
-    if tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64, torch.float16):
-        array = np.abs(tensor.detach().numpy())
-    else:
-        array = tensor.detach().abs().float().cpu().numpy()
-    peak = float(array.max())
-    if peak <= bound:
-        return None
-    return int(np.count_nonzero(array > bound)), peak
+    check_pixel_magnitude(modality, field, pixels)
 
 
 def _check_grid(modality: str, grid: Any, merge: int, positions: int) -> list[tuple[int, int, int]]:
@@ -1060,16 +1028,34 @@ def _hidden_size(hf_config: PretrainedConfig) -> int:
     return int(hf_config.get_text_config().hidden_size)
 
 
-def _check_embeddings(
-    modality: str, field: str, embeds: Any, rows: int, hf_config: PretrainedConfig, rule: str
-) -> None:
-    """``embeds``: ``rows`` rows (one per placeholder token, by ``rule``) of the LLM's hidden size."""
+def _vision_embedding_width(hf_config: PretrainedConfig) -> tuple[int, str]:
+    """Values per row of a vision tower's output, and what they are: the language model's hidden
+    size, times 1 + the DeepStack levels where the tower has them (Qwen3-VL: the merger's output, then
+    each level's, as vLLM's tower concatenates them and its model splits them)."""
     hidden = _hidden_size(hf_config)
+    levels = len(getattr(hf_config.vision_config, "deepstack_visual_indexes", None) or ())
+    if levels:
+        return hidden * (1 + levels), f"the language model's hidden size {hidden} x (1 + {levels} DeepStack levels)"
+    return hidden, "the language model's hidden size"
+
+
+def _check_embeddings(
+    modality: str,
+    field: str,
+    embeds: Any,
+    rows: int,
+    hf_config: PretrainedConfig,
+    rule: str,
+    width: tuple[int, str] | None = None,
+) -> None:
+    """``embeds``: ``rows`` rows (one per placeholder token, by ``rule``) of ``width`` values (default:
+    the LLM's hidden size)."""
+    hidden, meaning = width or (_hidden_size(hf_config), "the language model's hidden size")
     if embeds.shape[1] != hidden:
         raise ProcessedInputError(
             modality,
             field=field,
-            expected=f"{hidden} values per row (the language model's hidden size)",
+            expected=f"{hidden} values per row ({meaning})",
             found=f"shape {tuple(embeds.shape)}",
         )
     if embeds.shape[0] != rows:
@@ -1086,7 +1072,7 @@ class VisionEmbeddings(ModalitySpec):
     token, the merger's output) with the same grid fields as ``features``, the patches' spec: what
     ``mm_llm`` takes when the encoder ran apart (``model_repository_encoder/encode``)."""
 
-    def __init__(self, features: QwenVisionImage | QwenVisionVideo) -> None:
+    def __init__(self, features: QwenVisionImage | QwenVisionVideo | TimestampedVideo) -> None:
         self.features = features
         self.modality = features.modality
         self.placeholder_token = features.placeholder_token
@@ -1113,7 +1099,8 @@ class VisionEmbeddings(ModalitySpec):
         _, merge = _vision(hf_config)
         rows = sum(t * h * w // merge**2 for t, h, w in _grid_rows(grid))
         rule = f"sum of t*h*w/{merge * merge} over {self.modality}_grid_thw"
-        _check_embeddings(self.modality, self.embeds, data[self.embeds], rows, hf_config, rule)
+        width = _vision_embedding_width(hf_config)
+        _check_embeddings(self.modality, self.embeds, data[self.embeds], rows, hf_config, rule, width)
 
     def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
         from mmserve.vllm_seam import MultiModalFieldConfig
@@ -1134,6 +1121,14 @@ class VisionEmbeddings(ModalitySpec):
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return self.features.describe_item(item)
+
+    def locate(
+        self, prompt_ids: Sequence[int], items: Any, *, token_id: int, hf_config: PretrainedConfig, tokenizer: Any
+    ) -> list[Any]:
+        return self.features.locate(prompt_ids, items, token_id=token_id, hf_config=hf_config, tokenizer=tokenizer)
+
+    def placeholder_runs(self, tensors: Mapping[str, Any], items: int) -> int:
+        return self.features.placeholder_runs(tensors, items)
 
 
 class AudioEmbeddings(ModalitySpec):

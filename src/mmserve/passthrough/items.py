@@ -41,6 +41,7 @@ class ProcessedItems(DictEmbeddingItems):
         spec.validate(tensors, hf_config)
         if max_model_len is not None:
             spec.validate_limits(tensors, hf_config, max_model_len=max_model_len)
+        tensors = spec.model_inputs(tensors, hf_config)
         super().__init__(
             tensors,
             spec.modality,

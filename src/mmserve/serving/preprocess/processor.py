@@ -592,6 +592,11 @@ class Preprocessor:
         )
         if with_audio:
             processed = {**processed, "use_audio_in_video": np.ones(len(decoded_videos), dtype=bool)}
+        processed = dict(processed)
+        for spec in self.family.modalities:  # what the processor's output lacks, from its prompt
+            present = {name: processed.pop(name) for name in spec.field_names if processed.get(name) is not None}
+            if present:
+                processed.update(spec.complete(present, input_ids, self.placeholder_ids[spec.modality][1]))
         return {INPUT_IDS.name: input_ids, **self._features(processed)}
 
     def decode_wire(self, outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
