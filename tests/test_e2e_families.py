@@ -15,15 +15,24 @@ import os
 import pytest
 
 from mmserve import settings
-from mmserve_dev.samples import encode_image, encode_video, sample_image, sample_video
+from mmserve_dev.samples import (
+    AUDIO_SAMPLE_RATE,
+    encode_audio,
+    encode_image,
+    encode_video,
+    sample_audio,
+    sample_image,
+    sample_video,
+)
 
 from utils import ROOT, Endpoints, hf_on_frames
 from utils import client as _client
 
 pytestmark = [pytest.mark.server, pytest.mark.own_server]
 
-FAMILIES = {"qwen3_vl": ["image", "video"], "internvl": ["image", "image"]}
-"""Per family, the media of the live request: an image and a video where it takes video."""
+FAMILIES = {"qwen3_vl": ["image", "video"], "internvl": ["image", "image"], "audioflamingo3": ["audio"]}
+"""Per family, the media of the live request (in the order the default template puts them: images,
+videos, audio)."""
 MAX_TOKENS = 12
 QUESTION = "What happens?"
 
@@ -52,9 +61,12 @@ def family_server(request, tiny_models, tmp_path_factory):
 
 
 def test_media_through_the_ensemble_and_the_gateway(family_server, tiny_models):
-    """mm_ensemble's greedy tokens for image and video files = HF transformers' on the images and
-    the frames the files were made from; the gateway's answer (image_url and video_url data URLs) is
-    mm_ensemble's text."""
+    """mm_ensemble's greedy tokens for image, video and audio files = HF transformers' on the images,
+    the frames and the samples the files were made from; the gateway's answer (image_url, video_url
+    and input_audio parts) is mm_ensemble's text."""
+    import io
+
+    import soundfile
     import torch
 
     from mmserve_dev.hf_reference import HFReference, chat_prompt
@@ -65,14 +77,19 @@ def test_media_through_the_ensemble_and_the_gateway(family_server, tiny_models):
     sizes = iter([(224, 224), (448, 224)])  # InternVL: 1 and 3 tiles (a 4:3 image takes 13, 3328 tokens)
     images = [sample_image(61 + i, size=next(sizes)) for i, part in enumerate(parts) if part == "image"]
     videos = [sample_video(62 + i, frames=10) for i, part in enumerate(parts) if part == "video"]
+    wavs = [encode_audio(sample_audio(63 + i, seconds=4.0)) for i, part in enumerate(parts) if part == "audio"]
     text = chat_prompt(family, reference.processor, [*parts, f"text:{QUESTION}"])
-    inputs = hf_on_frames(reference.processor, text, images, videos).convert_to_tensors("pt")
+    if wavs:  # the samples a decoder gets back from the files
+        clips = [soundfile.read(io.BytesIO(wav), dtype="float32")[0] for wav in wavs]
+        inputs = reference.processor(text=[text], audio=clips, sampling_rate=AUDIO_SAMPLE_RATE, return_tensors="pt")
+    else:
+        inputs = hf_on_frames(reference.processor, text, images, videos).convert_to_tensors("pt")
     with torch.no_grad():
         out = reference.model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
     expected = out[0, inputs["input_ids"].shape[1] :].tolist()
 
     pngs, movs = [encode_image(image) for image in images], [encode_video(frames) for frames in videos]
-    result = _client(server).generate(QUESTION, pngs, videos=movs, max_tokens=MAX_TOKENS, temperature=0.0)
+    result = _client(server).generate(QUESTION, pngs, wavs, videos=movs, max_tokens=MAX_TOKENS, temperature=0.0)
     assert result.output_ids == expected
     assert result.num_input_tokens == inputs["input_ids"].shape[1]
 
@@ -84,6 +101,10 @@ def test_media_through_the_ensemble_and_the_gateway(family_server, tiny_models):
         *(
             {"type": "video_url", "video_url": {"url": "data:video/quicktime;base64," + base64.b64encode(mov).decode()}}
             for mov in movs
+        ),
+        *(
+            {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+            for wav in wavs
         ),
         {"type": "text", "text": QUESTION},
     ]

@@ -143,6 +143,20 @@ REAL: dict[str, RealCheckpoint] = {
             "processor_class": "InternVLProcessor",
         },
     ),
+    "audio-flamingo-3-hf": RealCheckpoint(
+        "audioflamingo3",
+        ("AudioFlamingo3ForConditionalGeneration",),
+        32768,
+        {"text": 28, "audio": 20},
+        4,
+        {
+            **_WHISPER,
+            "chunk_length": 30,
+            "n_samples": 480000,
+            "nb_max_frames": 3000,
+            "processor_class": "AudioFlamingo3Processor",
+        },
+    ),
     "Qwen2-Audio-7B-Instruct": RealCheckpoint(
         "qwen2_audio",
         ("Qwen2AudioForConditionalGeneration",),
@@ -341,7 +355,11 @@ class _Checkpoint:
         return min(self.preprocessor.max_audio_seconds, self.limits.max_total_audio_seconds)
 
     def passthrough_clip_s(self) -> float:
-        """The longest clip the family's pass-through rule accepts (2 * max_source_positions frames)."""
+        """The longest clip the family's pass-through rule accepts (2 * max_source_positions frames;
+        a processor that cuts clips into such windows: its max_audio_len)."""
+        spec = self.family.modality("audio")
+        if spec is not None and spec.max_item_seconds_replaces_window:
+            return float(self.preprocessor.processor.max_audio_len)
         extractor = self.preprocessor.processor.feature_extractor
         return 2 * self.hf_config.audio_config.max_source_positions * extractor.hop_length / extractor.sampling_rate
 
@@ -409,8 +427,13 @@ def test_preprocess_runs_the_checkpoints_settings(hub_name, checkpoints):
     if "n_samples" in settings:
         extractor = checkpoint.preprocessor.processor.feature_extractor
         assert extractor.n_samples == settings["n_samples"]  # 300 s for Omni, 30 s for Qwen2-Audio
-        window = min(settings["n_samples"] / settings["sampling_rate"], checkpoint.passthrough_clip_s())
-        assert checkpoint.preprocessor.audio_window_s == checkpoint.preprocessor.max_audio_seconds == window == 30.0
+        spec = checkpoint.family.modality("audio")
+        if spec is not None and spec.max_item_seconds_replaces_window:  # Audio Flamingo 3: 30-s windows, 600-s clips
+            window = checkpoint.passthrough_clip_s()
+            assert checkpoint.preprocessor.audio_window_s == checkpoint.preprocessor.max_audio_seconds == window == 600.0
+        else:
+            window = min(settings["n_samples"] / settings["sampling_rate"], checkpoint.passthrough_clip_s())
+            assert checkpoint.preprocessor.audio_window_s == checkpoint.preprocessor.max_audio_seconds == window == 30.0
 
 
 @pytest.mark.parametrize("hub_name", list(REAL))

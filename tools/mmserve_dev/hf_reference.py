@@ -61,6 +61,7 @@ def chat_prompt(family_name: str, processor, parts: Sequence[str], *, system: st
         "qwen2_audio": {"audio"},
         "qwen3_vl": {"image", "video"},
         "internvl": {"image", "video"},
+        "audioflamingo3": {"audio"},
     }[family_name]
     content: list[dict[str, Any]] = []
     for part in parts:
@@ -90,6 +91,8 @@ def _model_class(family_name: str):
         return transformers.Qwen3VLForConditionalGeneration
     if family_name == "internvl":
         return transformers.InternVLForConditionalGeneration
+    if family_name == "audioflamingo3":
+        return transformers.AudioFlamingo3ForConditionalGeneration
     raise ValueError(f"unknown family {family_name!r}; expected one of {FAMILY_NAMES}")
 
 

@@ -20,6 +20,9 @@ Families (``FAMILIES``):
   InternViT tower, pixel shuffle and an MLP projector over a Qwen2 language model; images tiled by
   ``GotOcr2ImageProcessor`` (a thumbnail beside up to ``max_patches`` tiles), each tile one
   ``<img><IMG_CONTEXT>...</img>`` run per image, video frames one run each (``Frame1: <img>...``).
+* ``audioflamingo3`` - ``AudioFlamingo3ForConditionalGeneration`` (NVIDIA's Audio Flamingo 3, transformers'
+  format): a Whisper encoder, an MLP projector and a Qwen2 language model; its processor cuts a clip
+  into 30-s windows (up to 600 s), each window 3000 mel frames, the clip one run of ``<sound>``.
 * ``qwen3_vl`` - ``Qwen3VLForConditionalGeneration`` (text + image + video): the Qwen3 language model
   (q/k norms, interleaved M-RoPE) and the Qwen3-VL vision tower (patch 16, learned position grid,
   DeepStack features merged into the first decoder layers), with the real checkpoints' processors
@@ -69,7 +72,7 @@ from mmserve_dev.samples import AUDIO_SAMPLE_RATE
 # Bump whenever anything below changes what is written: existing directories are then rebuilt.
 BUILDER_VERSION = 1
 MARKER_FILE = "mmserve_tiny_model.json"
-FAMILY_NAMES: tuple[str, ...] = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio", "qwen3_vl", "internvl")
+FAMILY_NAMES: tuple[str, ...] = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio", "qwen3_vl", "internvl", "audioflamingo3")
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "models"
 
 # ---------------------------------------------------------------------------------------------------
@@ -197,6 +200,12 @@ SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {
         "<IMG_CONTEXT>",
         "<video>",
     ),
+    "audioflamingo3": (
+        ENDOFTEXT,
+        IM_START,
+        IM_END,
+        "<sound>",
+    ),
     "qwen2_audio": (
         ENDOFTEXT,
         IM_START,
@@ -242,6 +251,7 @@ TOKENIZER_TOKEN_ATTRIBUTES: dict[str, dict[str, str]] = {
         "context_image_token": "<IMG_CONTEXT>",
         "video_token": "<video>",
     },
+    "audioflamingo3": {"audio_token": "<sound>"},
     "qwen2_audio": {
         "audio_token": "<|AUDIO|>",
         "audio_bos_token": "<|audio_bos|>",
@@ -328,6 +338,8 @@ CHAT_TEMPLATES: dict[str, str] = {
 }
 
 CHAT_TEMPLATES["qwen3_vl"] = CHAT_TEMPLATES["qwen2_5_vl"]
+# Audio Flamingo 3's: an audio part is "<sound>" (the processor expands it), then the text.
+CHAT_TEMPLATES["audioflamingo3"] = _TEMPLATE_HEAD + "{% if " + _IS_AUDIO + " %}<sound>" + _TEMPLATE_TAIL
 # InternVL3-*-hf's: an image part is "<IMG_CONTEXT>\n", a video part "<video>\n" (the processor expands
 # them), the system prompt its own.
 CHAT_TEMPLATES["internvl"] = (
@@ -505,6 +517,7 @@ def _text_config(vocab_size: int, ids: dict[str, int], *, mrope: bool, interleav
 def build_config(family_name: str, tokenizer):
     """The family's HF config (the top-level config that goes into config.json)."""
     from transformers import (
+        AudioFlamingo3Config,
         InternVLConfig,
         Qwen2_5_VLConfig,
         Qwen2_5OmniConfig,
@@ -559,6 +572,23 @@ def build_config(family_name: str, tokenizer):
             tie_word_embeddings=False,
         )
         config.architectures = ["InternVLForConditionalGeneration"]
+    elif family_name == "audioflamingo3":
+        config = AudioFlamingo3Config(
+            audio_config=dict(
+                num_mel_bins=AUDIO_ENCODER["num_mel_bins"],
+                num_hidden_layers=AUDIO_ENCODER["encoder_layers"],
+                num_attention_heads=AUDIO_ENCODER["encoder_attention_heads"],
+                intermediate_size=AUDIO_ENCODER["encoder_ffn_dim"],
+                hidden_size=AUDIO_ENCODER["d_model"],
+                max_source_positions=AUDIO_ENCODER["max_source_positions"],
+            ),
+            text_config=_text_config(vocab_size, ids, mrope=False, model_type="qwen2"),
+            audio_token_id=ids["<sound>"],
+            projector_hidden_act="gelu",
+            projector_bias=True,
+            tie_word_embeddings=False,
+        )
+        config.architectures = ["AudioFlamingo3ForConditionalGeneration"]
     elif family_name == "qwen2_audio":
         config = Qwen2AudioConfig(
             audio_config=dict(AUDIO_ENCODER, model_type="qwen2_audio_encoder"),
@@ -661,6 +691,12 @@ def build_processor(family_name: str, tokenizer):
         )
 
     template = CHAT_TEMPLATES[family_name]
+    if family_name == "audioflamingo3":
+        from transformers import AudioFlamingo3Processor
+
+        return AudioFlamingo3Processor(
+            feature_extractor=feature_extractor(), tokenizer=tokenizer, chat_template=template, max_audio_len=600
+        )
     if family_name == "internvl":
         from transformers import GotOcr2ImageProcessor, InternVLProcessor, InternVLVideoProcessor
 
@@ -771,6 +807,7 @@ def _model_class(family_name: str):
         "qwen2_5_omni": transformers.Qwen2_5OmniForConditionalGeneration,
         "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
         "internvl": transformers.InternVLForConditionalGeneration,
+        "audioflamingo3": transformers.AudioFlamingo3ForConditionalGeneration,
     }[family_name]
 
 
@@ -778,6 +815,7 @@ def _model_class(family_name: str):
 # (and vLLM's loader) is language_model.model.*. HF loads either.
 _KEY_FIXES: dict[str, list[tuple[str, str]]] = {
     "qwen2_audio": [(r"^language_model\.model\.model\.", "language_model.model.")],
+    "audioflamingo3": [(r"^language_model\.model\.model\.", "language_model.model.")],  # as Qwen2-Audio's
     # InternVL: transformers 5.19 writes the legacy layout; the -hf checkpoints hold this one
     "internvl": [
         (r"^language_model\.model\.", "model.language_model."),

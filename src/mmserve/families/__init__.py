@@ -6,6 +6,7 @@ writing a ``ModalitySpec`` per modality) and list it in ``FAMILIES``. See docs/a
 
 from __future__ import annotations
 
+from mmserve.families.audioflamingo3 import AUDIO_FLAMINGO_3
 from mmserve.families.base import FamilySpec, FieldSpec, ModalitySpec, TowerSpec
 from mmserve.families.internvl import INTERNVL
 from mmserve.families.qwen2_5_omni import QWEN2_5_OMNI
@@ -13,7 +14,9 @@ from mmserve.families.qwen2_5_vl import QWEN2_5_VL
 from mmserve.families.qwen2_audio import QWEN2_AUDIO
 from mmserve.families.qwen3_vl import QWEN3_VL
 
-FAMILIES: dict[str, FamilySpec] = {f.name: f for f in (QWEN2_5_OMNI, QWEN2_5_VL, QWEN2_AUDIO, QWEN3_VL, INTERNVL)}
+FAMILIES: dict[str, FamilySpec] = {
+    f.name: f for f in (QWEN2_5_OMNI, QWEN2_5_VL, QWEN2_AUDIO, QWEN3_VL, INTERNVL, AUDIO_FLAMINGO_3)
+}
 DEFAULT_FAMILY = QWEN2_5_OMNI.name
 
 

@@ -225,13 +225,29 @@ class ModalitySpec(ABC):
         wire's rows, and the model's own ``image_token_id``."""
         return dict(data)
 
-    def complete(self, processed: Mapping[str, Any], input_ids: np.ndarray, token_id: int) -> dict[str, Any]:
-        """In ``preprocess``: the HF processor's output for this modality (``processed``: its fields
-        that are present) with what it lacks and ``fields`` need, read from the prompt it expanded
-        (``input_ids``; ``token_id``: the placeholder's). Default: as is. InternVL: its processor
-        merges every image's tiles into one tensor and drops the tiles per image, which each image's
-        run of placeholders tells."""
+    def complete(
+        self,
+        processed: Mapping[str, Any],
+        input_ids: np.ndarray,
+        token_id: int,
+        *,
+        processor: Any = None,
+        items: Sequence[Any] = (),
+    ) -> dict[str, Any]:
+        """In ``preprocess``: the HF processor's whole output (``processed``) with this modality's
+        tensors as ``fields`` names them: what the processor names otherwise renamed, what it lacks
+        added, from the prompt it expanded (``input_ids``; ``token_id``: the placeholder's), the
+        processor itself and this modality's decoded ``items`` in prompt order (images, the clips'
+        samples, videos). Default: as is. InternVL: its processor merges every image's tiles and
+        drops the tiles per image, which each image's run of placeholders tells. Audio Flamingo 3:
+        ``input_features_mask`` is vLLM's ``feature_attention_mask``, and the windows of each clip
+        are the processor's own cut of its samples."""
         return dict(processed)
+
+    max_item_seconds_replaces_window: bool = False
+    """``max_item_seconds`` bounds a clip on its own, beyond the feature extractor's window (a
+    processor that cuts long clips into windows itself: Audio Flamingo 3); else a clip is bounded by
+    both."""
 
     def placeholder_runs(self, tensors: Mapping[str, Any], items: int) -> int:
         """Runs of the placeholder token that ``items`` items take in a prompt the family's processor

@@ -12,7 +12,7 @@ back into images for the model (``model_inputs``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -122,7 +122,15 @@ class TiledImage(ModalitySpec):
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"image_num_patches={int(item['image_num_patches'])}"
 
-    def complete(self, processed: Mapping[str, Any], input_ids: np.ndarray, token_id: int) -> dict[str, Any]:
+    def complete(
+        self,
+        processed: Mapping[str, Any],
+        input_ids: np.ndarray,
+        token_id: int,
+        *,
+        processor: Any = None,
+        items: Sequence[Any] = (),
+    ) -> dict[str, Any]:
         from mmserve.passthrough.placeholders import placeholder_runs
 
         out = dict(processed)

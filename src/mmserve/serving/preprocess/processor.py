@@ -212,9 +212,9 @@ class Preprocessor:
         accepts less (``ModalitySpec.max_item_seconds``)."""
         windows = []
         n_samples = getattr(extractor, "n_samples", None)
-        if n_samples and self.sampling_rate:
-            windows.append(n_samples / self.sampling_rate)
         audio = self.family.modality("audio")
+        if n_samples and self.sampling_rate and not (audio is not None and audio.max_item_seconds_replaces_window):
+            windows.append(n_samples / self.sampling_rate)
         if audio is not None:
             config = json.loads((Path(self.model) / "config.json").read_text())
             encoder = audio.max_item_seconds(config, self.processor)
@@ -592,11 +592,19 @@ class Preprocessor:
         )
         if with_audio:
             processed = {**processed, "use_audio_in_video": np.ones(len(decoded_videos), dtype=bool)}
-        processed = dict(processed)
-        for spec in self.family.modalities:  # what the processor's output lacks, from its prompt
-            present = {name: processed.pop(name) for name in spec.field_names if processed.get(name) is not None}
-            if present:
-                processed.update(spec.complete(present, input_ids, self.placeholder_ids[spec.modality][1]))
+        media: dict[str, Sequence[Any]] = {
+            "image": pil_images,
+            "audio": [clip.samples for clip in clips],
+            "video": decoded_videos,
+        }
+        for spec in self.family.modalities:  # the family's names, and what the processor's output lacks
+            processed = spec.complete(
+                processed,
+                input_ids,
+                self.placeholder_ids[spec.modality][1],
+                processor=self.processor,
+                items=media.get(spec.modality, ()),
+            )
         return {INPUT_IDS.name: input_ids, **self._features(processed)}
 
     def decode_wire(self, outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
