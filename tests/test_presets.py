@@ -126,6 +126,25 @@ REAL: dict[str, RealCheckpoint] = {
             "size": {"longest_edge": 25165824, "shortest_edge": 4096},
         },
     ),
+    # transformers 5.19's Qwen3_5Config defaults, which its docstring gives as Qwen/Qwen3.5-27B's: not
+    # checked against the hub's files here (no hub); the processors are Qwen3-VL's
+    "Qwen3.5-27B": RealCheckpoint(
+        "qwen3_5",
+        ("Qwen3_5ForConditionalGeneration",),
+        32768,
+        {"text": 16, "vision": 16},
+        4,
+        {
+            **_QWEN3_VISION,
+            "image_processor_type": "Qwen2VLImageProcessorFast",
+            "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+        },
+        {
+            **_QWEN3_VISION,
+            "video_processor_type": "Qwen3VLVideoProcessor",
+            "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+        },
+    ),
     "InternVL3-8B-hf": RealCheckpoint(
         "internvl",
         ("InternVLForConditionalGeneration",),
@@ -430,7 +449,9 @@ def test_preprocess_runs_the_checkpoints_settings(hub_name, checkpoints):
         spec = checkpoint.family.modality("audio")
         if spec is not None and spec.max_item_seconds_replaces_window:  # Audio Flamingo 3: 30-s windows, 600-s clips
             window = checkpoint.passthrough_clip_s()
-            assert checkpoint.preprocessor.audio_window_s == checkpoint.preprocessor.max_audio_seconds == window == 600.0
+            assert (
+                checkpoint.preprocessor.audio_window_s == checkpoint.preprocessor.max_audio_seconds == window == 600.0
+            )
         else:
             window = min(settings["n_samples"] / settings["sampling_rate"], checkpoint.passthrough_clip_s())
             assert checkpoint.preprocessor.audio_window_s == checkpoint.preprocessor.max_audio_seconds == window == 30.0

