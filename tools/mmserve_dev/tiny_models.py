@@ -554,9 +554,9 @@ def build_config(family_name: str, tokenizer):
         Qwen2_5OmniTalkerConfig,
         Qwen2_5OmniThinkerConfig,
         Qwen2AudioConfig,
+        Qwen3_5Config,
         Qwen3VLConfig,
     )
-    from transformers import Qwen3_5Config
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS[family_name]}
     vocab_size = len(tokenizer)
