@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.server, pytest.mark.own_server]
 
 FAMILIES = {
     "qwen3_vl": ["image", "video"],
+    "qwen3_vl_moe": ["image"],
     "qwen3_5": ["image", "video"],
     "internvl": ["image", "image"],
     "audioflamingo3": ["audio"],

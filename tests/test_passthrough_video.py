@@ -440,7 +440,7 @@ def test_bad_audio_in_video_layouts_are_named(omni_reference):
 @pytest.mark.engine
 def test_omni_audio_in_video_parity_with_hf(omni_engine, omni_reference, omni_preprocessor, omni_encoder):
     """A video with its audio: HF transformers on the frames and the waveform = vLLM on the same raw
-    media (the plugin's model class, with ``vllm_seam.OmniAudioInVideo``) = vLLM on
+    media (the plugin's model class, with ``passthrough.models.qwen2_5_omni.OmniAudioInVideo``) = vLLM on
     ``preprocess``'s tensors of the video file = vLLM on the encoders' outputs of them. (Stock vLLM 0.32 answers otherwise: its positions
     of the span are one token off.)"""
     from mmserve.families import get_family

@@ -126,6 +126,23 @@ REAL: dict[str, RealCheckpoint] = {
             "size": {"longest_edge": 25165824, "shortest_edge": 4096},
         },
     ),
+    "Qwen3-VL-30B-A3B-Instruct": RealCheckpoint(
+        "qwen3_vl_moe",
+        ("Qwen3VLMoeForConditionalGeneration",),
+        262144,
+        {"text": 32, "vision": 16},
+        4,
+        {
+            **_QWEN3_VISION,
+            "image_processor_type": "Qwen2VLImageProcessorFast",
+            "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+        },
+        {
+            **_QWEN3_VISION,
+            "video_processor_type": "Qwen3VLVideoProcessor",
+            "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+        },
+    ),
     # transformers 5.19's Qwen3_5Config defaults, which its docstring gives as Qwen/Qwen3.5-27B's: not
     # checked against the hub's files here (no hub); the processors are Qwen3-VL's
     "Qwen3.5-27B": RealCheckpoint(

@@ -229,7 +229,7 @@ def base_case(draw: Callable[..., Any], target: Target) -> Case:
 def resync_span(case: Case, target: Target) -> bool:
     """The interleaved tokens of an audio-in-video case from its (possibly mutated) numbers, as vLLM
     lays them out; False (span kept) where those numbers can't make a prompt of feasible size."""
-    from mmserve.vllm_seam import omni_audio_in_video_tokens
+    from mmserve.passthrough.models.qwen2_5_omni import omni_audio_in_video_tokens
 
     video, audio = case.items[0], case.audio[0]
     t, h, w = video.grid

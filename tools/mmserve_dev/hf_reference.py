@@ -61,6 +61,7 @@ def chat_prompt(family_name: str, processor, parts: Sequence[str], *, system: st
         "qwen2_audio": {"audio"},
         "qwen3_vl": {"image", "video"},
         "qwen3_5": {"image", "video"},
+        "qwen3_vl_moe": {"image", "video"},
         "internvl": {"image", "video"},
         "audioflamingo3": {"audio"},
     }[family_name]
@@ -92,6 +93,8 @@ def _model_class(family_name: str):
         return transformers.Qwen3VLForConditionalGeneration
     if family_name == "qwen3_5":
         return transformers.Qwen3_5ForConditionalGeneration
+    if family_name == "qwen3_vl_moe":
+        return transformers.Qwen3VLMoeForConditionalGeneration
     if family_name == "internvl":
         return transformers.InternVLForConditionalGeneration
     if family_name == "audioflamingo3":

@@ -23,6 +23,8 @@ Families (``FAMILIES``):
 * ``audioflamingo3`` - ``AudioFlamingo3ForConditionalGeneration`` (NVIDIA's Audio Flamingo 3, transformers'
   format): a Whisper encoder, an MLP projector and a Qwen2 language model; its processor cuts a clip
   into 30-s windows (up to 600 s), each window 3000 mel frames, the clip one run of ``<sound>``.
+* ``qwen3_vl_moe`` - ``Qwen3VLMoeForConditionalGeneration``: Qwen3-VL with a mixture-of-experts language
+  model (4 experts, 2 per token, in every layer).
 * ``qwen3_5`` - ``Qwen3_5ForConditionalGeneration`` (text + image + video): Qwen3.5's hybrid language model
   (a Gated DeltaNet linear-attention layer, then a full-attention one with a partial M-RoPE), the Qwen3-VL
   tower without DeepStack, and Qwen3-VL's processors.
@@ -80,6 +82,7 @@ FAMILY_NAMES: tuple[str, ...] = (
     "qwen2_5_vl",
     "qwen2_audio",
     "qwen3_vl",
+    "qwen3_vl_moe",
     "qwen3_5",
     "internvl",
     "audioflamingo3",
@@ -366,6 +369,9 @@ CHAT_TEMPLATES: dict[str, str] = {
 
 CHAT_TEMPLATES["qwen3_vl"] = CHAT_TEMPLATES["qwen2_5_vl"]
 CHAT_TEMPLATES["qwen3_5"] = CHAT_TEMPLATES["qwen2_5_vl"]
+CHAT_TEMPLATES["qwen3_vl_moe"] = CHAT_TEMPLATES["qwen2_5_vl"]
+SPECIAL_TOKENS["qwen3_vl_moe"] = SPECIAL_TOKENS["qwen3_vl"]
+TOKENIZER_TOKEN_ATTRIBUTES["qwen3_vl_moe"] = TOKENIZER_TOKEN_ATTRIBUTES["qwen3_vl"]
 SPECIAL_TOKENS["qwen3_5"] = SPECIAL_TOKENS["qwen3_vl"]
 TOKENIZER_TOKEN_ATTRIBUTES["qwen3_5"] = TOKENIZER_TOKEN_ATTRIBUTES["qwen3_vl"]
 # Audio Flamingo 3's: an audio part is "<sound>" (the processor expands it), then the text.
@@ -556,6 +562,7 @@ def build_config(family_name: str, tokenizer):
         Qwen2AudioConfig,
         Qwen3_5Config,
         Qwen3VLConfig,
+        Qwen3VLMoeConfig,
     )
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS[family_name]}
@@ -620,6 +627,31 @@ def build_config(family_name: str, tokenizer):
             tie_word_embeddings=False,
         )
         config.architectures = ["AudioFlamingo3ForConditionalGeneration"]
+    elif family_name == "qwen3_vl_moe":
+        config = Qwen3VLMoeConfig(
+            text_config=_text_config(
+                vocab_size,
+                ids,
+                mrope=True,
+                interleaved=True,
+                head_dim=TEXT_HIDDEN // TEXT_HEADS,
+                attention_bias=False,
+                bos_token_id=None,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,  # gate_up (experts, 64, 128): not square, so its transposition on load is unambiguous
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                norm_topk_prob=True,
+            ),
+            vision_config=dict(QWEN3_VISION),
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+            tie_word_embeddings=False,
+        )
+        config.architectures = ["Qwen3VLMoeForConditionalGeneration"]
     elif family_name == "qwen3_5":
         text = _text_config(vocab_size, ids, mrope=True, interleaved=True, bos_token_id=None, **QWEN3_5_TEXT)
         text["rope_parameters"]["mrope_section"] = list(QWEN3_5_MROPE_SECTION)
@@ -756,7 +788,7 @@ def build_processor(family_name: str, tokenizer):
             image_seq_length=INTERNVL_TOKENS_PER_TILE,
             chat_template=template,
         )
-    if family_name in ("qwen3_vl", "qwen3_5"):
+    if family_name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5"):
         # As the real checkpoints' (Qwen3-VL-*-Instruct, Qwen3.5): mean/std 0.5, 2 fps sampled, 4 to 768 frames.
         patches = dict(
             patch_size=QWEN3_VISION["patch_size"],
@@ -852,6 +884,7 @@ def _model_class(family_name: str):
         "qwen2_5_omni": transformers.Qwen2_5OmniForConditionalGeneration,
         "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
         "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+        "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
         "internvl": transformers.InternVLForConditionalGeneration,
         "audioflamingo3": transformers.AudioFlamingo3ForConditionalGeneration,
     }[family_name]
@@ -872,6 +905,14 @@ _KEY_FIXES: dict[str, list[tuple[str, str]]] = {
 }
 
 
+# transformers 5.19 saves Qwen3-VL-MoE's fused experts as it holds them, (experts, out, in); the hub's
+# checkpoints (and vLLM's loader: is_fused_checkpoint_transposed) hold (experts, in, out), which
+# transformers transposes when it loads them. Written the hub's way.
+_TENSOR_FIXES: dict[str, list[tuple[str, Callable]]] = {
+    "qwen3_vl_moe": [(r"\.mlp\.experts\.(gate_up_proj|down_proj)$", lambda tensor: tensor.transpose(1, 2))],
+}
+
+
 def _write_weights(model, family_name: str, out_dir: Path) -> None:
     """save_pretrained's key layout, fixed where needed, written as one deterministic safetensors file."""
     from safetensors.torch import load_file, save_file
@@ -886,6 +927,9 @@ def _write_weights(model, family_name: str, out_dir: Path) -> None:
     for key, tensor in state.items():
         for pattern, repl in _KEY_FIXES.get(family_name, []):
             key = re.sub(pattern, repl, key)
+        for pattern, change in _TENSOR_FIXES.get(family_name, []):
+            if re.search(pattern, key):
+                tensor = change(tensor)
         fixed[key] = tensor.contiguous()
     save_file(dict(sorted(fixed.items())), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 

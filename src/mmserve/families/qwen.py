@@ -351,7 +351,7 @@ class QwenVisionVideo(ModalitySpec):
     (seconds per temporal patch) sets the video's M-RoPE time positions.
 
     Its positions, as vLLM 0.32 computes them (``Qwen2_5_VLForConditionalGeneration.
-    get_mrope_input_positions``, the Omni thinker's and ``vllm_seam.OmniAudioInVideo``'s alike): from
+    get_mrope_input_positions``, the Omni thinker's and ``passthrough.models.qwen2_5_omni.OmniAudioInVideo``'s alike): from
     ``start``, the position after the text before it, temporal patch k at ``start + int(k * seconds *
     tokens_per_second)``, rows and columns at ``start + 0 .. h/merge - 1`` and ``start + 0 .. w/merge -
     1``; whatever follows (text, generated tokens) continues after the largest. So a video takes
@@ -747,8 +747,8 @@ class TimestampedVideo(ModalitySpec):
 class AudioInVideo:
     """Qwen2.5-Omni's videos with their audio track (the HF processor's ``use_audio_in_video``):
     the video's placeholder becomes ``<|vision_bos|><|audio_bos|>`` + the video's and the audio's
-    embeddings in chunks by time + ``<|audio_eos|><|vision_eos|>`` (``vllm_seam.
-    omni_audio_in_video_tokens`` lays the chunks out, as vLLM's own processor does), and the
+    embeddings in chunks by time + ``<|audio_eos|><|vision_eos|>`` (``passthrough.models.
+    qwen2_5_omni.omni_audio_in_video_tokens`` lays the chunks out, as vLLM's own processor does), and the
     request's audio items are the videos' tracks, in order. As in vLLM 0.32 (whose processor drops
     the placeholders of other audio then), all videos of a request share their audio or none do,
     and no other audio comes with them."""
@@ -757,7 +757,8 @@ class AudioInVideo:
         """``{"video": [...], "audio": [...]}`` (``vllm_seam.Placement``) when the videos share
         their audio (``videos``, ``audios``: ``ProcessedItems``), else None. Raises
         ``ProcessedInputError``."""
-        from mmserve.vllm_seam import Placement, omni_audio_in_video_tokens
+        from mmserve.passthrough.models.qwen2_5_omni import omni_audio_in_video_tokens
+        from mmserve.vllm_seam import Placement
 
         flags = [bool(videos.get(i).get("use_audio_in_video", False)) for i in range(len(videos))]
         if not any(flags):

@@ -39,5 +39,8 @@ QWEN2_5_OMNI = FamilySpec(
         ),
     ),
     audio_in_video=AudioInVideo(),
-    model_mixins=("mmserve.vllm_seam:OmniAudioInVideo", "mmserve.vllm_seam:OmniEmbeddings"),
+    model_mixins=(
+        "mmserve.passthrough.models.qwen2_5_omni:OmniAudioInVideo",
+        "mmserve.passthrough.models.qwen2_5_omni:OmniEmbeddings",
+    ),
 )

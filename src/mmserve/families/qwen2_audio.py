@@ -25,5 +25,5 @@ QWEN2_AUDIO = FamilySpec(
             padded=True,
         ),
     ),
-    model_mixins=("mmserve.vllm_seam:Qwen2AudioEmbeddings",),
+    model_mixins=("mmserve.passthrough.models.qwen2_audio:Qwen2AudioEmbeddings",),
 )

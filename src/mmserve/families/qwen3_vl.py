@@ -1,5 +1,6 @@
-"""Qwen3-VL (dense): images and videos through the Qwen3-VL vision tower (DeepStack), ``<|image_pad|>``
-and ``<|video_pad|>`` placeholders, every temporal patch of a video a timestamped frame group."""
+"""Qwen3-VL, dense and mixture-of-experts: images and videos through the Qwen3-VL vision tower (DeepStack),
+``<|image_pad|>`` and ``<|video_pad|>`` placeholders, every temporal patch of a video a timestamped frame
+group. The MoE variant differs in its language model only."""
 
 from mmserve.families.base import FamilySpec, TowerSpec
 from mmserve.families.qwen import QwenVisionImage, TimestampedVideo, VisionEmbeddings
@@ -20,6 +21,23 @@ QWEN3_VL = FamilySpec(
         TowerSpec(
             ("image", "video"),
             "transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLVisionModel",
+            ("vision_config",),
+            "model.visual.",
+        ),
+    ),
+)
+
+QWEN3_VL_MOE = FamilySpec(
+    name="qwen3_vl_moe",
+    stock_architectures=("Qwen3VLMoeForConditionalGeneration",),
+    passthrough_architecture="MMServePassthroughQwen3VLMoe",
+    vllm_model="vllm.model_executor.models.qwen3_vl_moe:Qwen3VLMoeForConditionalGeneration",
+    modalities=(_IMAGE, _VIDEO),
+    encoded=(VisionEmbeddings(_IMAGE), VisionEmbeddings(_VIDEO)),
+    towers=(
+        TowerSpec(
+            ("image", "video"),
+            "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe:Qwen3VLMoeVisionModel",
             ("vision_config",),
             "model.visual.",
         ),

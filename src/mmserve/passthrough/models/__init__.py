@@ -1,5 +1,6 @@
 """Pass-through model classes, built on first access (``mmserve.passthrough.models:<arch>``) so that
-registering the plugin imports no vLLM model code."""
+registering the plugin imports no vLLM model code; beside them, per family, its fixes of the stock vLLM
+model (``FamilySpec.model_mixins``), each naming what upstream would make it unnecessary."""
 
 from __future__ import annotations
 
