@@ -1,10 +1,11 @@
 """Property: a processed input that ``mm_llm``'s validation accepts never fails inside the engine.
 
-For each family (Qwen2.5-Omni, Qwen2.5-VL, Qwen2-Audio, Qwen3-VL) on its tiny checkpoint and a real vLLM
-engine, hypothesis generates processed inputs in every form the family takes (``pixel_values``,
-``pixel_values_uint8``, ``image_embeds``; videos as patches or embeddings, with their seconds (Qwen3-VL: a
-timestamped frame group per temporal patch); audio
-features or ``audio_embeds``; Omni's video with its audio track), mostly valid ones with one or two
+For each family (Qwen2.5-Omni, Qwen2.5-VL, Qwen2-Audio, Qwen3-VL, InternVL, Audio Flamingo 3) on its
+tiny checkpoint and a real vLLM engine, hypothesis generates processed inputs in every form the family
+takes (``pixel_values``, ``pixel_values_uint8``, ``image_embeds``; videos as patches or embeddings,
+with their seconds (Qwen3-VL: a timestamped frame group per temporal patch); InternVL's tiles with
+their count per image; audio features or ``audio_embeds``, Audio Flamingo 3's windows with their count
+per clip; Omni's video with its audio track), mostly valid ones with one or two
 numbers mutated: grid values (0, negative, huge, int64 edges, values whose product wraps around in
 int64 to the row count sent), video seconds (NaN, inf, 1e6, values around the M-RoPE table's end),
 valid mel frames, row counts, runs of placeholders, widths, dtypes, shapes, magnitudes. Where a
@@ -45,7 +46,7 @@ from utils import ENGINE_ARGS, greedy
 
 pytestmark = pytest.mark.engine
 
-FAMILIES = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio", "qwen3_vl")
+FAMILIES = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio", "qwen3_vl", "internvl", "audioflamingo3")
 EXAMPLES = 800
 """Inputs per family: 10-25 s of a 2-core machine each, beside the engine's start (~20 s)."""
 MAX_TOKENS = 2
@@ -56,6 +57,14 @@ the rows it had: its count is then wrong, which is refused)."""
 FEASIBLE_TOKENS = 1_800
 """The most placeholders a generated input writes into its prompt for one item (under the engine's
 ``max_model_len``, 2048)."""
+ENGINE_OVERRIDES: dict[str, dict[str, Any]] = {
+    "internvl": {"max_model_len": 4096},  # its largest image (13 tiles) is 3328 placeholders
+    "audioflamingo3": {"limit_mm_per_prompt": {"audio": 1}},  # vLLM's Audio Flamingo 3 takes one clip
+}
+TILE_VALUES = 3 * 448 * 448
+"""Values of one InternVL tile (a row of pixel_values)."""
+WINDOW = 3000
+"""Mel frames of one Audio Flamingo 3 window."""
 VLLM_OWN_CHECKS = (
     "longer than the maximum model length",
     "may be provided in one prompt",
@@ -86,10 +95,12 @@ class Target:
         self.positions: int = (1 if name == "qwen3_vl" else 4) * text.max_position_embeddings
         self.timestamp: list[int] = tokenizer("<1.5 seconds>", add_special_tokens=False)["input_ids"]
         self.patch_dim, self.tokens_per_second = 0, 1.0
-        if (vision := getattr(hf_config, "vision_config", None)) is not None:
+        if name == "internvl":
+            self.patch_dim = TILE_VALUES
+        elif (vision := getattr(hf_config, "vision_config", None)) is not None:
             self.patch_dim = 3 * vision.temporal_patch_size * vision.patch_size**2
             self.tokens_per_second = getattr(vision, "tokens_per_second", 25 if "omni" in name else 1.0)
-        self.mel_bins, self.max_frames, self.fixed_frames = 0, 0, name == "qwen2_audio"
+        self.mel_bins, self.max_frames, self.fixed_frames = 0, 0, name in ("qwen2_audio", "audioflamingo3")
         if (audio := getattr(hf_config, "audio_config", None)) is not None:
             self.mel_bins, self.max_frames = audio.num_mel_bins, 2 * audio.max_source_positions
         self.canary: list[int] = []
@@ -103,9 +114,15 @@ class Target:
             "qwen3_vl": {"image": "<|image_pad|>", "video": "<|video_pad|>"},
             "qwen2_5_omni": {"image": "<|IMAGE|>", "video": "<|VIDEO|>", "audio": "<|AUDIO|>"},
             "qwen2_audio": {"audio": "<|AUDIO|>"},
+            "internvl": {"image": "<IMG_CONTEXT>"},
+            "audioflamingo3": {"audio": "<sound>"},
         }[self.name]
         if role == "pad":
             return self.vocab[names[modality]]
+        if self.name == "internvl":
+            return self.vocab["<img>" if role == "start" else "</img>"]
+        if self.name == "audioflamingo3":  # no delimiters: the run between text
+            return self.text[0]
         if modality == "audio":
             return self.vocab["<|audio_bos|>" if role == "start" else "<|audio_eos|>"]
         if self.name in ("qwen2_5_vl", "qwen3_vl"):
@@ -148,8 +165,10 @@ def target(request, tiny_models):
         ),
         "qwen2_audio": (("audio", "features"), ("audio", "embeds")),
         "qwen3_vl": (("image", "patches"), ("image", "uint8"), ("video", "patches"), ("video", "patches")),
+        "internvl": (("image", "tiles"),),
+        "audioflamingo3": (("audio", "windows"),),
     }[request.param]
-    with EngineRunner(str(model), **ENGINE_ARGS) as engine:
+    with EngineRunner(str(model), **{**ENGINE_ARGS, **ENGINE_OVERRIDES.get(request.param, {})}) as engine:
         chosen = Target(request.param, family, engine, config, model, forms)
         chosen.canary = list(
             engine.generate_sync({"prompt_token_ids": chosen.text * 3}, greedy(8)).outputs[0].token_ids
@@ -193,6 +212,16 @@ def _vision_tokens(grid: list[int]) -> int:
 
 def base_case(draw: Callable[..., Any], target: Target) -> Case:
     modality, form = draw(st.sampled_from(target.forms))
+    if form == "tiles":  # InternVL: length = image_num_patches as sent, rows = tiles sent, run = placeholders
+        items = []
+        for _ in range(draw(st.integers(1, 2))):
+            tiles = draw(st.integers(1, 3))
+            items.append(Item(length=tiles, rows=tiles, run=tiles * 256))
+        return Case(modality, form, items)
+    if form == "windows":  # Audio Flamingo 3: length = the clip's valid frames, rows = chunk_counts as sent
+        length = draw(st.integers(3, 2 * WINDOW))
+        windows = -(-length // WINDOW)
+        return Case(modality, form, [Item(length=length, rows=windows, run=whisper_tokens(length))], frames=windows)
     if modality == "audio":
         count = draw(st.integers(1, 2))
         high = min(target.max_frames, 600 if target.fixed_frames else 300)
@@ -278,11 +307,15 @@ def sync(case: Case, item: Item, mode: str) -> None:
 
 def mutate(draw: Callable[..., Any], case: Case, target: Target) -> None:
     kinds = ["rows", "run", "dtype", "shape", "magnitude", "width"]
-    if case.modality in ("image", "video"):
+    if case.form == "tiles":
+        kinds += ["tiles", "tiles", "tiles"]
+    elif case.form == "windows":
+        kinds += ["windows", "windows", "length", "length", "mask"]
+    elif case.modality in ("image", "video"):
         kinds += ["grid", "grid", "grid", "wrap"]
     if case.modality == "video" and target.name != "qwen3_vl":  # Qwen3-VL: the time is text
         kinds += ["seconds", "seconds", "seconds"]
-    if case.modality == "audio" or case.audio:
+    if (case.modality == "audio" and case.form != "windows") or case.audio:
         kinds += ["length", "length"]
     if (case.modality == "audio" and case.form == "features") or case.audio:
         kinds += ["mask"]
@@ -292,7 +325,25 @@ def mutate(draw: Callable[..., Any], case: Case, target: Target) -> None:
     case.kinds.append(kind)
     item = draw(st.sampled_from(case.items))
     index = case.items.index(item)
-    if kind == "grid":
+    if kind == "tiles":  # image_num_patches: tiles and run made to agree with it where feasible
+        item.length = int_value(draw, item.length)
+        mode = draw(st.sampled_from(["keep", "exact"]))
+        if mode == "exact" and 0 < item.length <= 7:
+            item.rows, item.run = item.length, item.length * 256
+        case.mutations.append(f"tiles[{index}]={item.length} ({mode})")
+    elif kind == "windows":  # chunk_counts as sent; the features keep the clip's own windows
+        item.rows = int_value(draw, item.rows)
+        case.mutations.append(f"windows[{index}]={item.rows}")
+    elif kind == "length" and case.form == "windows":
+        item.length = draw(st.integers(-2, 3 * WINDOW))
+        if draw(st.booleans()) and 0 < whisper_tokens(item.length) <= FEASIBLE_TOKENS:
+            item.run = whisper_tokens(item.length)
+            case.frames = max(case.frames, -(-item.length // WINDOW))
+            item.rows = case.frames
+            case.mutations.append(f"length[{index}]={item.length} (synced)")
+        else:
+            case.mutations.append(f"length[{index}]={item.length}")
+    elif kind == "grid":
         axis = draw(st.integers(0, 2))
         item.grid[axis] = int_value(draw, item.grid[axis])
         mode = draw(st.sampled_from(["keep", "exact", "int64"]))
@@ -354,6 +405,10 @@ def mutate(draw: Callable[..., Any], case: Case, target: Target) -> None:
 
 
 def field_names(case: Case, target: Target) -> set[str]:
+    if case.form == "tiles":
+        return {"pixel_values", "image_num_patches"}
+    if case.form == "windows":
+        return {"input_features", "feature_attention_mask", "chunk_counts"}
     if case.modality == "audio":
         return (
             {"input_features", "feature_attention_mask"}
@@ -469,7 +524,19 @@ def render(case: Case, target: Target) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(case.seed)
     tensors: dict[str, np.ndarray] = {}
     ids = list(target.text)
-    if case.modality in ("image", "video"):
+    if case.form == "tiles":
+        rows = sum(max(0, min(i.rows, 8)) for i in case.items)
+        tensors["pixel_values"] = rng.standard_normal((rows, TILE_VALUES)).astype(np.float32)
+        tensors["image_num_patches"] = np.array([i.length for i in case.items], dtype=np.int64)
+    elif case.form == "windows":
+        [clip] = case.items
+        windows = max(1, case.frames)
+        tensors["input_features"] = rng.standard_normal((windows, target.mel_bins, WINDOW)).astype(np.float32)
+        mask = np.zeros((windows, WINDOW), dtype=np.int32)
+        mask.reshape(-1)[: max(0, min(clip.length, windows * WINDOW))] = 1
+        tensors["feature_attention_mask"] = mask
+        tensors["chunk_counts"] = np.array([clip.rows], dtype=np.int64)
+    elif case.modality in ("image", "video"):
         rows = sum(i.rows for i in case.items)
         if case.form == "embeds":
             tensors[f"{case.modality}_embeds"] = (rng.standard_normal((rows, target.hidden)) * 0.05).astype(np.float32)
@@ -482,7 +549,7 @@ def render(case: Case, target: Target) -> dict[str, np.ndarray]:
         if case.modality == "video" and target.name != "qwen3_vl":
             with np.errstate(over="ignore"):
                 tensors[case.seconds_name] = np.array([i.seconds for i in case.items], dtype=np.float32)
-    audio = case.audio if case.audio else case.items if case.modality == "audio" else []
+    audio = case.audio if case.audio else case.items if case.modality == "audio" and case.form != "windows" else []
     if audio:
         if case.modality == "audio" and case.form == "embeds":
             rows = sum(a.rows for a in audio)
@@ -645,6 +712,15 @@ ATTACKS: dict[str, tuple[Callable[[Target], Case], tuple[str, str]]] = {
         ),
         ("video", "pixel_values_videos"),
     ),
+    # bounds of the families outside Qwen: counts that drive vLLM's item split
+    "image_num_patches 2**62 + 1": (
+        lambda target: Case("image", "tiles", [Item(length=2**62 + 1, rows=1, run=256)]),
+        ("image item 0", "image_num_patches"),
+    ),
+    "chunk_counts 2**62": (
+        lambda target: Case("audio", "windows", [Item(length=100, rows=2**62, run=whisper_tokens(100))], frames=1),
+        ("audio", "chunk_counts"),
+    ),
     "input_features 1e25": (
         _audio("features", "magnitude:input_features", _set("input_features", 1e25)),
         ("audio", "input_features"),
@@ -663,7 +739,11 @@ def test_the_reported_attacks_are_refused_and_the_engine_lives(target, attack):
     kind, message = outcome(case, target)
     assert kind == REFUSED and message.startswith(modality) and f", {field}: expected" in message, message
     good = dataclasses.replace(build(target), edits=[])
-    if case.modality in ("image", "video"):
+    if case.form == "tiles":
+        good.items[0] = Item(length=1, rows=1, run=256)
+    elif case.form == "windows":
+        good.items[0] = Item(length=100, rows=1, run=whisper_tokens(100))
+    elif case.modality in ("image", "video"):
         t = 1 if case.modality == "image" else 2
         rows = 4 * t if case.form == "embeds" else 16 * t
         good.items[0] = Item(grid=[t, 4, 4], seconds=0.5 if t == 2 else 0.0, rows=rows, run=4 * t)
