@@ -13,12 +13,14 @@ import base64
 import json
 import os
 import shutil
+from typing import Any
 
 import pytest
 
 from mmserve import settings
 from mmserve_dev.samples import (
     AUDIO_SAMPLE_RATE,
+    VIDEO_FPS,
     encode_audio,
     encode_image,
     encode_video,
@@ -38,6 +40,7 @@ FAMILIES = {
     "qwen3_5": ["image", "video"],
     "internvl": ["image", "image"],
     "audioflamingo3": ["audio"],
+    "qwen3_omni": ["image", "video", "audio"],
 }
 """Per family, the media of the live request (in the order the default template puts them: images,
 videos, audio)."""
@@ -95,7 +98,16 @@ def test_media_through_the_ensemble_and_the_gateway(family_server, tiny_models):
     text = chat_prompt(family, reference.processor, [*parts, f"text:{QUESTION}"])
     if wavs:  # the samples a decoder gets back from the files
         clips = [soundfile.read(io.BytesIO(wav), dtype="float32")[0] for wav in wavs]
-        inputs = reference.processor(text=[text], audio=clips, sampling_rate=AUDIO_SAMPLE_RATE, return_tensors="pt")
+        media: dict[str, Any] = {"images": images or None}
+        if videos:
+            media["videos"] = videos
+            media["video_metadata"] = [
+                {"total_num_frames": len(v), "fps": float(VIDEO_FPS), "width": v.shape[2], "height": v.shape[1]}
+                for v in videos
+            ]
+        inputs = reference.processor(
+            text=[text], audio=clips, sampling_rate=AUDIO_SAMPLE_RATE, return_tensors="pt", **media
+        )
     else:
         inputs = hf_on_frames(reference.processor, text, images, videos).convert_to_tensors("pt")
     expected = hf_greedy(reference, inputs, MAX_TOKENS, engine_dtype=ENGINE_DTYPES.get(family, "float32"))

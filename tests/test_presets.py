@@ -162,6 +162,32 @@ REAL: dict[str, RealCheckpoint] = {
             "size": {"longest_edge": 25165824, "shortest_edge": 4096},
         },
     ),
+    # Qwen3-Omni-30B-A3B-Instruct's thinker as recalled from its config.json (Qwen3-30B-A3B's language
+    # model, 65536 positions; SigLIP2-style tower; the Whisper-style encoder of 20 heads) and processor
+    # (Qwen2.5-Omni's with patch 16 and mean/std 0.5): not checked against the hub here (no hub)
+    "Qwen3-Omni-30B-A3B-Instruct": RealCheckpoint(
+        "qwen3_omni",
+        ("Qwen3OmniMoeForConditionalGeneration",),
+        65536,
+        {"text": 32, "vision": 16, "audio": 20},
+        4,
+        {
+            **_WHISPER,
+            "chunk_length": 300,
+            "n_samples": 4800000,
+            "nb_max_frames": 30000,
+            "dither": 0.0,
+            "min_pixels": 3136,
+            "max_pixels": 12845056,
+            "patch_size": 16,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen3OmniMoeProcessor",
+        },
+    ),
     "InternVL3-8B-hf": RealCheckpoint(
         "internvl",
         ("InternVLForConditionalGeneration",),

@@ -46,7 +46,7 @@ from utils import ENGINE_ARGS, greedy
 
 pytestmark = pytest.mark.engine
 
-FAMILIES = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio", "qwen3_vl", "internvl", "audioflamingo3")
+FAMILIES = ("qwen2_5_omni", "qwen2_5_vl", "qwen2_audio", "qwen3_vl", "internvl", "audioflamingo3", "qwen3_omni")
 EXAMPLES = 800
 """Inputs per family: 10-25 s of a 2-core machine each, beside the engine's start (~20 s)."""
 MAX_TOKENS = 2
@@ -100,9 +100,12 @@ class Target:
         elif (vision := getattr(hf_config, "vision_config", None)) is not None:
             self.patch_dim = 3 * vision.temporal_patch_size * vision.patch_size**2
             self.tokens_per_second = getattr(vision, "tokens_per_second", 25 if "omni" in name else 1.0)
+            if name == "qwen3_omni":  # its thinker's rate, not the tower's
+                self.tokens_per_second = float(hf_config.position_id_per_seconds)
         self.mel_bins, self.max_frames, self.fixed_frames = 0, 0, name in ("qwen2_audio", "audioflamingo3")
         if (audio := getattr(hf_config, "audio_config", None)) is not None:
             self.mel_bins, self.max_frames = audio.num_mel_bins, 2 * audio.max_source_positions
+        self.audio_tokens: Callable[[int], int] = qwen3_omni_tokens if name == "qwen3_omni" else whisper_tokens
         self.canary: list[int] = []
 
     def __repr__(self) -> str:
@@ -114,6 +117,7 @@ class Target:
             "qwen3_vl": {"image": "<|image_pad|>", "video": "<|video_pad|>"},
             "qwen2_5_omni": {"image": "<|IMAGE|>", "video": "<|VIDEO|>", "audio": "<|AUDIO|>"},
             "qwen2_audio": {"audio": "<|AUDIO|>"},
+            "qwen3_omni": {"image": "<|image_pad|>", "video": "<|video_pad|>", "audio": "<|audio_pad|>"},
             "internvl": {"image": "<IMG_CONTEXT>"},
             "audioflamingo3": {"audio": "<sound>"},
         }[self.name]
@@ -123,15 +127,23 @@ class Target:
             return self.vocab["<img>" if role == "start" else "</img>"]
         if self.name == "audioflamingo3":  # no delimiters: the run between text
             return self.text[0]
+        if modality == "audio" and self.name == "qwen3_omni":
+            return self.vocab["<|audio_start|>" if role == "start" else "<|audio_end|>"]
         if modality == "audio":
             return self.vocab["<|audio_bos|>" if role == "start" else "<|audio_eos|>"]
-        if self.name in ("qwen2_5_vl", "qwen3_vl"):
+        if self.name in ("qwen2_5_vl", "qwen3_vl", "qwen3_omni"):
             return self.vocab["<|vision_start|>" if role == "start" else "<|vision_end|>"]
         return self.vocab["<|vision_bos|>" if role == "start" else "<|vision_eos|>"]
 
 
 def whisper_tokens(frames: int) -> int:
     return ((frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def qwen3_omni_tokens(frames: int) -> int:
+    """Qwen3-Omni's rule, written here from its HF processor's ``_get_feat_extract_output_lengths``."""
+    rest = frames % 100
+    return (((rest - 1) // 2 + 1 - 1) // 2 + 1 - 1) // 2 + 1 + (frames // 100) * 13
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -167,6 +179,13 @@ def target(request, tiny_models):
         "qwen3_vl": (("image", "patches"), ("image", "uint8"), ("video", "patches"), ("video", "patches")),
         "internvl": (("image", "tiles"),),
         "audioflamingo3": (("audio", "windows"),),
+        "qwen3_omni": (
+            ("image", "patches"),
+            ("image", "uint8"),
+            ("video", "patches"),
+            ("audio", "features"),
+            *[("video", "audio_in_video")] * 2,
+        ),
     }[request.param]
     with EngineRunner(str(model), **{**ENGINE_ARGS, **ENGINE_OVERRIDES.get(request.param, {})}) as engine:
         chosen = Target(request.param, family, engine, config, model, forms)
@@ -227,7 +246,7 @@ def base_case(draw: Callable[..., Any], target: Target) -> Case:
         high = min(target.max_frames, 600 if target.fixed_frames else 300)
         items = [Item(length=draw(st.integers(3, high))) for _ in range(count)]
         for item in items:
-            item.run = whisper_tokens(item.length)
+            item.run = target.audio_tokens(item.length)
             item.rows = item.run
         frames = target.max_frames if target.fixed_frames else max(i.length for i in items) + draw(st.integers(0, 3))
         return Case(modality, form, items, frames=frames)
@@ -244,11 +263,11 @@ def base_case(draw: Callable[..., Any], target: Target) -> Case:
         rows = tokens if form == "embeds" else 4 * tokens
         items.append(Item(grid=grid, seconds=seconds, rows=rows, run=tokens))
     case = Case(modality, form, items)
-    if target.name == "qwen2_5_omni" and modality == "video":
+    if target.name in ("qwen2_5_omni", "qwen3_omni") and modality == "video":
         case.seconds_name = draw(st.sampled_from(["video_second_per_grid", "second_per_grid_ts"]))
     if with_audio:
         length = draw(st.integers(3, 300))
-        case.audio = [Item(length=length, run=whisper_tokens(length), rows=whisper_tokens(length))]
+        case.audio = [Item(length=length, run=target.audio_tokens(length), rows=target.audio_tokens(length))]
         case.frames = length + draw(st.integers(0, 3))
         case.mutations.append("audio_in_video")
         resync_span(case, target)
@@ -259,7 +278,9 @@ def resync_span(case: Case, target: Target) -> bool:
     """The interleaved tokens of an audio-in-video case from its (possibly mutated) numbers, as vLLM
     lays them out; False (span kept) where those numbers can't make a prompt of feasible size."""
     from mmserve.passthrough.models.qwen2_5_omni import omni_audio_in_video_tokens
+    from mmserve.passthrough.models.qwen3_omni import qwen3_omni_audio_in_video_tokens
 
+    layout = qwen3_omni_audio_in_video_tokens if target.name == "qwen3_omni" else omni_audio_in_video_tokens
     video, audio = case.items[0], case.audio[0]
     t, h, w = video.grid
     seconds, tokens = video.seconds, audio.run
@@ -272,7 +293,7 @@ def resync_span(case: Case, target: Target) -> bool:
         and 0 <= max(t - 1, 1) * seconds * target.tokens_per_second < 2 * target.positions
     ):
         return False
-    span = omni_audio_in_video_tokens(target.hf_config, tokens, [t, h, w], float(np.float32(seconds)))
+    span = layout(target.hf_config, tokens, [t, h, w], float(np.float32(seconds)))
     if len(span) > FEASIBLE_TOKENS:
         return False
     case.span = span
@@ -372,8 +393,8 @@ def mutate(draw: Callable[..., Any], case: Case, target: Target) -> None:
         audio = draw(st.sampled_from(case.audio or case.items))
         where = (case.audio or case.items).index(audio)
         audio.length = int_value(draw, audio.length) if draw(st.booleans()) else draw(st.integers(-2, 3100))
-        if draw(st.booleans()) and 0 < whisper_tokens(audio.length) <= FEASIBLE_TOKENS:
-            audio.run = audio.rows = whisper_tokens(audio.length)
+        if draw(st.booleans()) and 0 < target.audio_tokens(audio.length) <= FEASIBLE_TOKENS:
+            audio.run = audio.rows = target.audio_tokens(audio.length)
             if not target.fixed_frames and audio.length <= 4000:
                 case.frames = max(case.frames, audio.length)
             if case.audio:
@@ -661,7 +682,7 @@ def _video(seconds: float) -> Callable[[Target], Case]:
 def _audio(form: str, name: str, edit: Callable[[dict[str, np.ndarray]], None]) -> Callable[[Target], Case]:
     def case(target: Target) -> Case:
         frames = target.max_frames if target.fixed_frames else 128
-        tokens = whisper_tokens(128)
+        tokens = target.audio_tokens(128)
         return Case("audio", form, [Item(length=128, rows=tokens, run=tokens)], frames=frames, edits=[(name, edit)])
 
     return case

@@ -66,6 +66,7 @@ _INTERNAL_NAMES = {
     "enable_envs_cache": "vllm.envs",
     # what the model fixes beside the pass-through's models call (mmserve.passthrough.models.*)
     "Qwen2_5OmniThinkerMultiModalProcessor": "vllm.model_executor.models.qwen2_5_omni_thinker",
+    "Qwen3OmniMoeThinkerMultiModalProcessor": "vllm.model_executor.models.qwen3_omni_moe_thinker",
     "gpu_sync_allowed": "vllm.model_executor.models.qwen2_5_omni_thinker",
     "merge_interleaved_embeddings": "vllm.model_executor.models.qwen2_5_omni_thinker",
 }
@@ -193,6 +194,24 @@ _SIGNATURES: dict[tuple[str, str, str | None], tuple[str, ...]] = {
         "Qwen2_5OmniThinkerMultiModalProcessor",
         "omni_get_updates_use_audio_in_video",
     ): ("thinker_config", "audio_len", "video_grid_thw", "video_second_per_grid_t"),
+    # Qwen3-Omni's (mmserve.passthrough.models.qwen3_omni: qwen3_omni_audio_in_video_tokens,
+    # Qwen3OmniAudioInVideo)
+    ("vllm.model_executor.models.qwen3_omni_moe_thinker", "check_interleaved_audio_video", None): (
+        "is_video",
+        "is_audio",
+        "num_video",
+        "num_audio",
+    ),
+    (
+        "vllm.model_executor.models.qwen3_omni_moe_thinker",
+        "Qwen3OmniMoeThinkerForConditionalGeneration",
+        "embed_input_ids",
+    ): ("self", "input_ids", "multimodal_embeddings", "is_multimodal"),
+    (
+        "vllm.model_executor.models.qwen3_omni_moe_thinker",
+        "Qwen3OmniMoeThinkerMultiModalProcessor",
+        "get_updates_use_audio_in_video",
+    ): ("self", "thinker_config", "audio_len", "video_grid_thw", "video_second_per_grid_t"),
     (
         "vllm.model_executor.models.qwen2_5_omni_thinker",
         "Qwen2_5OmniThinkerForConditionalGeneration",
@@ -265,6 +284,24 @@ _SIGNATURES: dict[tuple[str, str, str | None], tuple[str, ...]] = {
         "client_count",
     ),
 }
+
+
+QWEN3_OMNI_THINKER = "vllm.model_executor.models.qwen3_omni_moe_thinker"
+
+
+@contextlib.contextmanager
+def replaced(module: str, name: str, value: Any) -> Iterator[None]:
+    """``module``'s global ``name`` (a function its code looks up when it runs) as ``value`` for the
+    duration: a model fix that changes one helper of a stock method instead of copying the method
+    (``passthrough.models.qwen3_omni.Qwen3OmniAudioInVideo``). The engine runs a model's steps on one
+    thread."""
+    target = importlib.import_module(module)
+    before = getattr(target, name)
+    setattr(target, name, value)
+    try:
+        yield
+    finally:
+        setattr(target, name, before)
 
 
 def seam_problems() -> list[str]:
@@ -683,6 +720,7 @@ def derive_model_class(
 
 
 __all__ = [
+    "QWEN3_OMNI_THINKER",
     "VLLM_VERSION",
     "Placement",
     "AsyncLLM",
@@ -701,6 +739,7 @@ __all__ = [
     "engine_core_pids",
     "installed_vllm_version",
     "render_prompt",
+    "replaced",
     "seam_problems",
     "vllm_version_mismatch",
 ]

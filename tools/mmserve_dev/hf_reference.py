@@ -57,6 +57,7 @@ def chat_prompt(family_name: str, processor, parts: Sequence[str], *, system: st
     """
     supported = {
         "qwen2_5_omni": {"image", "audio", "video"},
+        "qwen3_omni": {"image", "audio", "video"},
         "qwen2_5_vl": {"image", "video"},
         "qwen2_audio": {"audio"},
         "qwen3_vl": {"image", "video"},
@@ -89,6 +90,8 @@ def _model_class(family_name: str):
         return transformers.Qwen2AudioForConditionalGeneration
     if family_name == "qwen2_5_omni":
         return transformers.Qwen2_5OmniThinkerForConditionalGeneration
+    if family_name == "qwen3_omni":
+        return transformers.Qwen3OmniMoeThinkerForConditionalGeneration
     if family_name == "qwen3_vl":
         return transformers.Qwen3VLForConditionalGeneration
     if family_name == "qwen3_5":
@@ -114,14 +117,14 @@ class HFReference:
         self.path = Path(path)
         self.processor = load_processor(self.path)
         kwargs: dict[str, Any] = {"dtype": torch.float32, "output_loading_info": True}
-        if family_name == "qwen2_5_omni":
-            # The directory holds the full Qwen2_5OmniConfig (what vLLM wants); the thinker is loaded
+        if family_name in ("qwen2_5_omni", "qwen3_omni"):
+            # The directory holds the full Omni config (what vLLM wants); the thinker is loaded
             # on its own from it: its config is the thinker sub-config, and its weights are the
             # checkpoint's "thinker." keys (HF strips the thinker's base_model_prefix).
-            from transformers import Qwen2_5OmniConfig
+            from transformers import AutoConfig
 
             with _quiet_transformers():
-                kwargs["config"] = Qwen2_5OmniConfig.from_pretrained(str(self.path)).thinker_config
+                kwargs["config"] = AutoConfig.from_pretrained(str(self.path)).thinker_config
         model, info = _model_class(family_name).from_pretrained(str(self.path), **kwargs)
         # A key-naming mismatch shows up as missing + unexpected keys (HF would silently leave those
         # weights randomly initialized): refuse it. Talker / token2wav weights are not the thinker's.

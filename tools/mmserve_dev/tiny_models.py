@@ -28,6 +28,10 @@ Families (``FAMILIES``):
 * ``qwen3_5`` - ``Qwen3_5ForConditionalGeneration`` (text + image + video): Qwen3.5's hybrid language model
   (a Gated DeltaNet linear-attention layer, then a full-attention one with a partial M-RoPE), the Qwen3-VL
   tower without DeepStack, and Qwen3-VL's processors.
+* ``qwen3_omni`` - the Qwen3-Omni *thinker* (``Qwen3OmniMoeForConditionalGeneration``, text + image + audio
+  + video, a video with its audio track too): the Qwen3-Omni audio encoder (mel frames in windows of 100,
+  13 tokens a window), the Qwen3-VL-style vision tower (patch 16, DeepStack) and a mixture-of-experts
+  Qwen3 language model; ``enable_audio_output=False``, weights under ``thinker.`` as for Qwen2.5-Omni.
 * ``qwen3_vl`` - ``Qwen3VLForConditionalGeneration`` (text + image + video): the Qwen3 language model
   (q/k norms, interleaved M-RoPE) and the Qwen3-VL vision tower (patch 16, learned position grid,
   DeepStack features merged into the first decoder layers), with the real checkpoints' processors
@@ -86,6 +90,7 @@ FAMILY_NAMES: tuple[str, ...] = (
     "qwen3_5",
     "internvl",
     "audioflamingo3",
+    "qwen3_omni",
 )
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "models"
 
@@ -372,6 +377,28 @@ CHAT_TEMPLATES["qwen3_5"] = CHAT_TEMPLATES["qwen2_5_vl"]
 CHAT_TEMPLATES["qwen3_vl_moe"] = CHAT_TEMPLATES["qwen2_5_vl"]
 SPECIAL_TOKENS["qwen3_vl_moe"] = SPECIAL_TOKENS["qwen3_vl"]
 TOKENIZER_TOKEN_ATTRIBUTES["qwen3_vl_moe"] = TOKENIZER_TOKEN_ATTRIBUTES["qwen3_vl"]
+# Qwen3-Omni's: Qwen3-VL's vision markers and Qwen3's audio ones (<|audio_start|><|audio_pad|><|audio_end|>).
+SPECIAL_TOKENS["qwen3_omni"] = (
+    *SPECIAL_TOKENS["qwen3_vl"],
+    "<|audio_start|>",
+    "<|audio_end|>",
+    "<|audio_pad|>",
+)
+TOKENIZER_TOKEN_ATTRIBUTES["qwen3_omni"] = {
+    "image_token": "<|image_pad|>",
+    "audio_token": "<|audio_pad|>",
+    "video_token": "<|video_pad|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+    "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
+}
+CHAT_TEMPLATES["qwen3_omni"] = (
+    CHAT_TEMPLATES["qwen2_5_omni"]
+    .replace("<|vision_bos|><|IMAGE|><|vision_eos|>", "<|vision_start|><|image_pad|><|vision_end|>")
+    .replace("<|audio_bos|><|AUDIO|><|audio_eos|>", "<|audio_start|><|audio_pad|><|audio_end|>")
+    .replace("<|vision_bos|><|VIDEO|><|vision_eos|>", "<|vision_start|><|video_pad|><|vision_end|>")
+)
 SPECIAL_TOKENS["qwen3_5"] = SPECIAL_TOKENS["qwen3_vl"]
 TOKENIZER_TOKEN_ATTRIBUTES["qwen3_5"] = TOKENIZER_TOKEN_ATTRIBUTES["qwen3_vl"]
 # Audio Flamingo 3's: an audio part is "<sound>" (the processor expands it), then the text.
@@ -561,6 +588,8 @@ def build_config(family_name: str, tokenizer):
         Qwen2_5OmniThinkerConfig,
         Qwen2AudioConfig,
         Qwen3_5Config,
+        Qwen3OmniMoeConfig,
+        Qwen3OmniMoeThinkerConfig,
         Qwen3VLConfig,
         Qwen3VLMoeConfig,
     )
@@ -723,6 +752,60 @@ def build_config(family_name: str, tokenizer):
         )
         config = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, enable_audio_output=False)
         config.architectures = ["Qwen2_5OmniModel"]
+    elif family_name == "qwen3_omni":
+        thinker = Qwen3OmniMoeThinkerConfig(
+            # The real encoder's windows (n_window 50: 100 mel frames give 13 tokens; attention over
+            # n_window_infer frames), narrow.
+            audio_config=dict(
+                num_mel_bins=AUDIO_ENCODER["num_mel_bins"],
+                encoder_layers=AUDIO_ENCODER["encoder_layers"],
+                encoder_attention_heads=AUDIO_ENCODER["encoder_attention_heads"],
+                encoder_ffn_dim=AUDIO_ENCODER["encoder_ffn_dim"],
+                d_model=AUDIO_ENCODER["d_model"],
+                max_source_positions=AUDIO_ENCODER["max_source_positions"],
+                output_dim=TEXT_HIDDEN,
+                downsample_hidden_size=32,
+                n_window=50,
+                n_window_infer=400,
+            ),
+            # image_size and apply_vit_abs_pos_embed: read by vLLM, not declared by transformers (the
+            # real config.json has both: 768 = 48 patches of 16 a side, its 2304 position embeddings)
+            vision_config=dict(QWEN3_VISION, image_size=256, apply_vit_abs_pos_embed=True),
+            text_config=_text_config(
+                vocab_size,
+                ids,
+                mrope=True,
+                interleaved=True,
+                head_dim=TEXT_HIDDEN // TEXT_HEADS,
+                attention_bias=False,
+                bos_token_id=None,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                norm_topk_prob=True,
+            ),
+            audio_token_id=ids["<|audio_pad|>"],
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            audio_start_token_id=ids["<|audio_start|>"],
+            # read by HF's get_rope_index and vLLM's layout of a video with its audio (not declared fields)
+            audio_end_token_id=ids["<|audio_end|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+            user_token_id=tokenizer.encode("user", add_special_tokens=False)[0],
+            position_id_per_seconds=13,  # as Qwen3-Omni-30B-A3B's (and its processor's default)
+            tie_word_embeddings=False,
+        )
+        # No talker or code2wav weights (enable_audio_output=False: HF builds neither, vLLM skips them).
+        config = Qwen3OmniMoeConfig(
+            thinker_config=thinker,
+            enable_audio_output=False,
+            im_start_token_id=ids[IM_START],
+            im_end_token_id=ids[IM_END],
+        )
+        config.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
     else:
         raise ValueError(f"unknown family {family_name!r}; expected one of {FAMILY_NAMES}")
     config.dtype = "float32"
@@ -811,6 +894,37 @@ def build_processor(family_name: str, tokenizer):
             tokenizer=tokenizer,
             chat_template=template,
         )
+    if family_name == "qwen3_omni":
+        from transformers import Qwen3OmniMoeProcessor
+
+        # As Qwen3-Omni-30B-A3B's: Qwen2-VL's image and video processors with patch 16 and mean/std 0.5
+        # (the video's pixels capped here), Whisper's extractor with 128 bins and a 300-s window.
+        patches = dict(
+            patch_size=QWEN3_VISION["patch_size"],
+            temporal_patch_size=QWEN3_VISION["temporal_patch_size"],
+            merge_size=QWEN3_VISION["spatial_merge_size"],
+            image_mean=[0.5, 0.5, 0.5],
+            image_std=[0.5, 0.5, 0.5],
+        )
+        return Qwen3OmniMoeProcessor(
+            image_processor=Qwen2VLImageProcessor(
+                size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS}, **patches
+            ),
+            video_processor=Qwen2VLVideoProcessor(
+                size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_VIDEO_MAX_PIXELS}, **patches
+            ),
+            feature_extractor=WhisperFeatureExtractor(
+                feature_size=AUDIO_ENCODER["num_mel_bins"],
+                sampling_rate=AUDIO_SAMPLE_RATE,
+                hop_length=160,
+                chunk_length=300,
+                n_fft=400,
+                padding_value=0.0,
+                return_attention_mask=True,
+            ),
+            tokenizer=tokenizer,
+            chat_template=template,
+        )
     if family_name == "qwen2_5_vl":
         return Qwen2_5_VLProcessor(
             image_processor=image_processor(),
@@ -885,6 +999,7 @@ def _model_class(family_name: str):
         "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
         "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
         "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
+        "qwen3_omni": transformers.Qwen3OmniMoeForConditionalGeneration,
         "internvl": transformers.InternVLForConditionalGeneration,
         "audioflamingo3": transformers.AudioFlamingo3ForConditionalGeneration,
     }[family_name]

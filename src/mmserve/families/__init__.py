@@ -13,11 +13,22 @@ from mmserve.families.qwen2_5_omni import QWEN2_5_OMNI
 from mmserve.families.qwen2_5_vl import QWEN2_5_VL
 from mmserve.families.qwen2_audio import QWEN2_AUDIO
 from mmserve.families.qwen3_5 import QWEN3_5
+from mmserve.families.qwen3_omni import QWEN3_OMNI
 from mmserve.families.qwen3_vl import QWEN3_VL, QWEN3_VL_MOE
 
 FAMILIES: dict[str, FamilySpec] = {
     f.name: f
-    for f in (QWEN2_5_OMNI, QWEN2_5_VL, QWEN2_AUDIO, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, INTERNVL, AUDIO_FLAMINGO_3)
+    for f in (
+        QWEN2_5_OMNI,
+        QWEN2_5_VL,
+        QWEN2_AUDIO,
+        QWEN3_VL,
+        QWEN3_VL_MOE,
+        QWEN3_5,
+        QWEN3_OMNI,
+        INTERNVL,
+        AUDIO_FLAMINGO_3,
+    )
 }
 DEFAULT_FAMILY = QWEN2_5_OMNI.name
 

@@ -60,6 +60,11 @@ class ModalitySpec(ABC):
     fields: tuple[FieldSpec, ...]
     placeholder_token: str
 
+    enclosed_by: tuple[str, str] | None = None
+    """The tokens right before and after each item's run, where the family's vLLM model relies on them
+    (Qwen3-Omni's places the M-RoPE positions of a run's next token as its end marker's: a run right
+    after another item's took the engine core down): the default ``locate`` refuses a run without them."""
+
     wire_fields: tuple[FieldSpec, ...] = ()
     """Smaller stand-ins for some of ``fields`` on the way from ``preprocess`` to ``mm_llm`` (e.g.
     image patches before the processor's normalization: a quarter of the bytes), which
@@ -216,6 +221,20 @@ class ModalitySpec(ABC):
             expected=items.expected_tokens(),
             describe=items.describe(),
         )
+        if self.enclosed_by is not None:
+            start, end = self.enclosed_by
+            ids = (tokenizer.convert_tokens_to_ids(start), tokenizer.convert_tokens_to_ids(end))
+            for index, (offset, length) in enumerate(runs):
+                before = prompt_ids[offset - 1] if offset > 0 else None
+                after = prompt_ids[offset + length] if offset + length < len(prompt_ids) else None
+                if (before, after) != ids:
+                    raise ProcessedInputError(
+                        self.modality,
+                        item=index,
+                        field="prompt_token_ids",
+                        expected=f"its run of {self.placeholder_token} between {start} and {end}",
+                        found=f"tokens {before} and {after} around the run at offset {offset}",
+                    )
         return [Placement(offset, length) for offset, length in runs]
 
     def model_inputs(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -208,10 +208,18 @@ class QwenVisionImage(ModalitySpec):
 
     modality = "image"
 
-    def __init__(self, placeholder_token: str, *, positions_factor: int = MROPE_POSITIONS_FACTOR) -> None:
-        """``positions_factor``: of the language model's M-RoPE table (``rotary_positions``)."""
+    def __init__(
+        self,
+        placeholder_token: str,
+        *,
+        positions_factor: int = MROPE_POSITIONS_FACTOR,
+        enclosed_by: tuple[str, str] | None = None,
+    ) -> None:
+        """``positions_factor``: of the language model's M-RoPE table (``rotary_positions``);
+        ``enclosed_by``: ``ModalitySpec.enclosed_by``."""
         self.placeholder_token = placeholder_token
         self.positions_factor = positions_factor
+        self.enclosed_by = enclosed_by
         self.fields = (
             FieldSpec(
                 "pixel_values",
@@ -375,16 +383,25 @@ class QwenVisionVideo(ModalitySpec):
         seconds_field: str = "second_per_grid_ts",
         audio_in_video: bool = False,
         tokens_per_second: float = 1.0,
+        tokens_per_second_field: str | None = None,
+        positions_factor: int = MROPE_POSITIONS_FACTOR,
+        enclosed_by: tuple[str, str] | None = None,
     ) -> None:
         """``seconds_field``: the HF processor's name for ``second_per_grid_ts`` where it differs
         (Qwen2.5-Omni's ``video_second_per_grid``): a wire field, renamed by ``wire_decoder``.
         ``audio_in_video``: the family takes a video with its audio track (``AudioInVideo``), told by
         the optional field ``use_audio_in_video``. ``tokens_per_second``: M-RoPE time positions per
         second where the vision config has no ``tokens_per_second``, as vLLM's model class defaults
-        it (Qwen2.5-VL 1.0, the Qwen2.5-Omni thinker 25)."""
+        it (Qwen2.5-VL 1.0, the Qwen2.5-Omni thinker 25); ``tokens_per_second_field``: the model
+        config's attribute that holds it instead (the Qwen3-Omni thinker's ``position_id_per_seconds``).
+        ``positions_factor``: of the language model's M-RoPE table (``rotary_positions``);
+        ``enclosed_by``: ``ModalitySpec.enclosed_by``."""
         self.placeholder_token = placeholder_token
+        self.enclosed_by = enclosed_by
         self.seconds_field = seconds_field
         self.default_tokens_per_second = tokens_per_second
+        self.tokens_per_second_field = tokens_per_second_field
+        self.positions_factor = positions_factor
         if seconds_field != "second_per_grid_ts":
             self.wire_fields = (
                 FieldSpec(
@@ -506,6 +523,8 @@ class QwenVisionVideo(ModalitySpec):
 
     def tokens_per_second(self, hf_config: PretrainedConfig) -> float:
         """M-RoPE time positions per second of video, as vLLM's model class reads it."""
+        if self.tokens_per_second_field is not None:
+            return float(getattr(hf_config, self.tokens_per_second_field))
         return float(getattr(hf_config.vision_config, "tokens_per_second", self.default_tokens_per_second))
 
     def validate_limits(
@@ -521,7 +540,7 @@ class QwenVisionVideo(ModalitySpec):
         token sampled is never fed back: one position of margin); at the budget + 2 the engine core
         indexed position 131072 of a 131072-row table and died (without this check)."""
         _, merge = _vision(hf_config)
-        positions = rotary_positions(hf_config)
+        positions = rotary_positions(hf_config, self.positions_factor)
         per_second = self.tokens_per_second(hf_config)
         budget = positions - max_model_len
         excess = 0
@@ -745,20 +764,32 @@ class TimestampedVideo(ModalitySpec):
 
 @dataclass(frozen=True)
 class AudioInVideo:
-    """Qwen2.5-Omni's videos with their audio track (the HF processor's ``use_audio_in_video``):
-    the video's placeholder becomes ``<|vision_bos|><|audio_bos|>`` + the video's and the audio's
-    embeddings in chunks by time + ``<|audio_eos|><|vision_eos|>`` (``passthrough.models.
-    qwen2_5_omni.omni_audio_in_video_tokens`` lays the chunks out, as vLLM's own processor does), and the
-    request's audio items are the videos' tracks, in order. As in vLLM 0.32 (whose processor drops
-    the placeholders of other audio then), all videos of a request share their audio or none do,
-    and no other audio comes with them."""
+    """The Omni families' videos with their audio track (the HF processor's ``use_audio_in_video``):
+    the video's placeholder becomes vision start + audio start + the video's and the audio's
+    embeddings interleaved by time + audio end + vision end, and the request's audio items are the
+    videos' tracks, in order. ``layout`` (``"module:function"``) gives the tokens from audio start to
+    audio end as vLLM's own processor writes them: Qwen2.5-Omni's in 2-s chunks
+    (``passthrough.models.qwen2_5_omni.omni_audio_in_video_tokens``, the default), Qwen3-Omni's token
+    by token (``passthrough.models.qwen3_omni.qwen3_omni_audio_in_video_tokens``); ``video_token`` and
+    ``audio_token`` name the config's attributes of their ids, ``markers`` the start tokens (for
+    errors). As in vLLM 0.32 (whose processor drops the placeholders of other audio then), all
+    videos of a request share their audio or none do, and no other audio comes with them."""
+
+    layout: str = "mmserve.passthrough.models.qwen2_5_omni:omni_audio_in_video_tokens"
+    video_token: str = "video_token_index"
+    audio_token: str = "audio_token_index"
+    markers: str = "<|vision_bos|><|audio_bos|>"
 
     def placements(self, prompt_ids: Sequence[int], videos: Any, audios: Any, hf_config: PretrainedConfig) -> Any:
         """``{"video": [...], "audio": [...]}`` (``vllm_seam.Placement``) when the videos share
         their audio (``videos``, ``audios``: ``ProcessedItems``), else None. Raises
         ``ProcessedInputError``."""
-        from mmserve.passthrough.models.qwen2_5_omni import omni_audio_in_video_tokens
+        import importlib
+
         from mmserve.vllm_seam import Placement
+
+        module, name = self.layout.split(":")
+        layout = getattr(importlib.import_module(module), name)
 
         flags = [bool(videos.get(i).get("use_audio_in_video", False)) for i in range(len(videos))]
         if not any(flags):
@@ -786,16 +817,16 @@ class AudioInVideo:
             raise ProcessedInputError(
                 "video",
                 field="prompt_token_ids",
-                expected=f"{len(flags)} <|vision_bos|><|audio_bos|> span(s) (one per video with its audio)",
+                expected=f"{len(flags)} {self.markers} span(s) (one per video with its audio)",
                 found=f"{len(starts)}",
                 hint="the prompt must be expanded by the same processor, with use_audio_in_video",
             )
-        video_id, audio_id = hf_config.video_token_index, hf_config.audio_token_index
+        video_id, audio_id = getattr(hf_config, self.video_token), getattr(hf_config, self.audio_token)
         out: dict[str, list[Any]] = {"video": [], "audio": []}
         covered = 0
         for index, start in enumerate(starts.tolist()):
             item = videos.get(index)
-            want = omni_audio_in_video_tokens(
+            want = layout(
                 hf_config, audio_tokens[index], item["video_grid_thw"].tolist(), float(item["second_per_grid_ts"])
             )
             got = ids[start : start + len(want) + 1].tolist()
@@ -806,8 +837,8 @@ class AudioInVideo:
                     "video",
                     item=index,
                     field="prompt_token_ids",
-                    expected=f"{len(want)} tokens from <|audio_bos|> to <|audio_eos|>, then <|vision_eos|>: the "
-                    f"video's and the audio's in chunks by time (video_grid_thw={item['video_grid_thw'].tolist()}, "
+                    expected=f"{len(want)} tokens from audio start to audio end, then vision end: the "
+                    f"video's and the audio's interleaved by time (video_grid_thw={item['video_grid_thw'].tolist()}, "
                     f"{audio_tokens[index]} audio tokens)",
                     found=f"token {found} at offset {start + at}",
                 )
@@ -832,14 +863,25 @@ def whisper_output_length(mel_frames: int) -> int:
     return (after_conv - 2) // 2 + 1
 
 
-def _check_valid_frames(field: str, index: int, length: int, max_frames: int) -> None:
+def qwen3_omni_output_length(mel_frames: int) -> int:
+    """Qwen3-Omni's audio encoder outputs for ``mel_frames`` valid mel frames: 13 per whole window of
+    100 frames (three stride-2 convolutions), and the rest's through the same convolutions (the HF
+    processor's ``_get_feat_extract_output_lengths`` with ``n_window`` 50)."""
+    rest = mel_frames % 100
+    after_conv = (rest - 1) // 2 + 1
+    return ((after_conv - 1) // 2 + 1 - 1) // 2 + 1 + (mel_frames // 100) * 13
+
+
+def _check_valid_frames(
+    field: str, index: int, length: int, max_frames: int, output_length: Callable[[int], int] = whisper_output_length
+) -> None:
     """A clip's valid mel frames: at most the encoder's ``max_frames`` (its position table) and
-    enough for one output (3: 2 frames give none)."""
+    enough for one output (3 for Whisper's rule: 2 frames give none)."""
     if length < 2 or length > max_frames:
         raise ProcessedInputError(
             "audio", item=index, field=field, expected=f"between 2 and {max_frames} valid frames", found=f"{length}"
         )
-    if whisper_output_length(length) <= 0:
+    if output_length(length) <= 0:
         raise ProcessedInputError(
             "audio",
             item=index,
@@ -861,22 +903,38 @@ input)."""
 
 
 class WhisperAudio(ModalitySpec):
-    """Audio through a Whisper-style encoder (Qwen2-Audio, Qwen2.5-Omni).
+    """Audio through a Whisper-style encoder (Qwen2-Audio, Qwen2.5-Omni, Qwen3-Omni).
 
     One clip with ``L`` valid mel frames (``feature_attention_mask.sum()``) occupies
-    ``((L - 1) // 2 + 1 - 2) // 2 + 1`` placeholder tokens.
+    ``output_length(L)`` placeholder tokens: ``((L - 1) // 2 + 1 - 2) // 2 + 1`` for Whisper's
+    encoder (``whisper_output_length``), 13 per 100 frames for Qwen3-Omni's (``qwen3_omni_output_length``).
 
     Args:
         placeholder_token: the token that stands for one audio embedding.
         fixed_frames: the encoder needs every clip padded to exactly ``2 * max_source_positions``
             frames (Qwen2-Audio's absolute position table); otherwise any length up to that works.
+        output_length: the encoder's count rule.
+        enclosed_by: ``ModalitySpec.enclosed_by``.
+
+    A clip has at most ``2 * max_source_positions`` valid frames (30 s): Whisper's position table;
+    for Qwen3-Omni's encoder (positions per 100-frame window) the clip vLLM 0.32 profiles its encoder
+    cache for (``Qwen3OmniMoeThinkerProcessingInfo.get_mm_max_tokens_per_item``: Qwen2-Audio's 30 s).
     """
 
     modality = "audio"
 
-    def __init__(self, placeholder_token: str, *, fixed_frames: bool) -> None:
+    def __init__(
+        self,
+        placeholder_token: str,
+        *,
+        fixed_frames: bool,
+        output_length: Callable[[int], int] = whisper_output_length,
+        enclosed_by: tuple[str, str] | None = None,
+    ) -> None:
         self.placeholder_token = placeholder_token
+        self.enclosed_by = enclosed_by
         self.fixed_frames = fixed_frames
+        self.output_length = output_length
         self.fields = (
             FieldSpec(
                 "input_features",
@@ -945,7 +1003,7 @@ class WhisperAudio(ModalitySpec):
                     expected="a prefix of ones followed by zeros",
                     found="ones after a zero",
                 )
-            _check_valid_frames("feature_attention_mask", index, length, max_frames)
+            _check_valid_frames("feature_attention_mask", index, length, max_frames, self.output_length)
 
     def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
         from mmserve.vllm_seam import MultiModalFieldConfig
@@ -956,7 +1014,7 @@ class WhisperAudio(ModalitySpec):
         }
 
     def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
-        return whisper_output_length(int(item["feature_attention_mask"].sum()))
+        return self.output_length(int(item["feature_attention_mask"].sum()))
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"{int(item['feature_attention_mask'].sum())} valid mel frames"

@@ -612,8 +612,12 @@ class TritonServer:
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
+                # What it waits for, into its log: every stub's Python threads.
+                if self.dump_stacks():
+                    time.sleep(1.0)
                 raise TritonServerError(
-                    f"tritonserver not ready after {timeout:.0f} s; log {self.log_path}:\n" + self.log_tail()
+                    f"tritonserver not ready after {timeout:.0f} s (its processes' stacks at the log's end); "
+                    f"log {self.log_path}:\n" + self.log_tail()
                 )
             time.sleep(0.1)
 
