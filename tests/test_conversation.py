@@ -9,13 +9,20 @@ single user turn the ``text_input`` path.
 
 from __future__ import annotations
 
-import io
 import json
 
 import numpy as np
 import pytest
 
-from mmserve_dev.samples import AUDIO_SAMPLE_RATE, WEATHER_TOOL, encode_audio, encode_image, sample_audio, sample_image
+from mmserve_dev.samples import (
+    AUDIO_SAMPLE_RATE,
+    WEATHER_TOOL,
+    decode_audio,
+    encode_audio,
+    encode_image,
+    sample_audio,
+    sample_image,
+)
 
 from utils import rejects
 
@@ -30,12 +37,6 @@ def preprocessor(tiny_models):
     from mmserve.serving.preprocess import Preprocessor
 
     return Preprocessor(tiny_models["qwen2_5_omni"])
-
-
-def wave_of(wav: bytes) -> np.ndarray:
-    import soundfile
-
-    return soundfile.read(io.BytesIO(wav), dtype="float32")[0]
 
 
 def user(*parts) -> dict:
@@ -111,7 +112,7 @@ def test_a_conversation_is_what_the_hf_processor_makes_of_it(preprocessor, omni_
     processor = omni_reference.processor
     text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     assert_same(
-        preprocessor.decode_wire(out), omni_reference.processor_inputs(text, images, [wave_of(w) for w in wavs])
+        preprocessor.decode_wire(out), omni_reference.processor_inputs(text, images, [decode_audio(w) for w in wavs])
     )
 
 
@@ -122,7 +123,7 @@ def test_audio_pcm_follows_the_audio_files(preprocessor, omni_reference):
     wav = encode_audio(CLIP)
     out = preprocessor(messages=json.dumps(conversation), audios=[wav], pcm=[(short, AUDIO_SAMPLE_RATE)])
     text = omni_reference.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-    assert_same(preprocessor.decode_wire(out), omni_reference.processor_inputs(text, audios=[wave_of(wav), short]))
+    assert_same(preprocessor.decode_wire(out), omni_reference.processor_inputs(text, audios=[decode_audio(wav), short]))
 
 
 def test_media_follow_the_order_of_their_parts(preprocessor):

@@ -21,6 +21,7 @@ from mmserve import settings
 from mmserve_dev.samples import (
     AUDIO_SAMPLE_RATE,
     VIDEO_FPS,
+    decode_audio,
     encode_audio,
     encode_image,
     encode_video,
@@ -82,9 +83,6 @@ def test_media_through_the_ensemble_and_the_gateway(family_server, tiny_models):
     """mm_ensemble's greedy tokens for image, video and audio files = HF transformers' on the images,
     the frames and the samples the files were made from; the gateway's answer (image_url, video_url
     and input_audio parts) is mm_ensemble's text."""
-    import io
-
-    import soundfile
 
     from mmserve_dev.hf_reference import HFReference, chat_prompt
 
@@ -97,7 +95,7 @@ def test_media_through_the_ensemble_and_the_gateway(family_server, tiny_models):
     wavs = [encode_audio(sample_audio(63 + i, seconds=4.0)) for i, part in enumerate(parts) if part == "audio"]
     text = chat_prompt(family, reference.processor, [*parts, f"text:{QUESTION}"])
     if wavs:  # the samples a decoder gets back from the files
-        clips = [soundfile.read(io.BytesIO(wav), dtype="float32")[0] for wav in wavs]
+        clips = [decode_audio(wav) for wav in wavs]
         media: dict[str, Any] = {"images": images or None}
         if videos:
             media["videos"] = videos

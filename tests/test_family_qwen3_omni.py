@@ -14,6 +14,7 @@ import pytest
 from mmserve_dev.samples import (
     AUDIO_SAMPLE_RATE,
     VIDEO_FPS,
+    decode_audio,
     encode_audio,
     encode_image,
     encode_video,
@@ -94,11 +95,7 @@ def tensors_of(inputs, *, with_audio: bool = False) -> dict:
 
 def as_sent(wave: np.ndarray) -> np.ndarray:
     """``wave`` as a WAV file of it holds it (16-bit samples): what ``preprocess`` decodes."""
-    import io
-
-    import soundfile
-
-    return soundfile.read(io.BytesIO(encode_audio(wave)), dtype="float32")[0]
+    return decode_audio(encode_audio(wave))
 
 
 def passthrough(inputs, *, with_audio: bool = False) -> dict:

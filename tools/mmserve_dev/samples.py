@@ -49,6 +49,14 @@ def encode_audio(wave: np.ndarray, sample_rate: int = AUDIO_SAMPLE_RATE, fmt: st
     return buffer.getvalue()
 
 
+def decode_audio(data: bytes) -> np.ndarray:
+    """The float32 samples an audio file holds (what a decoder gets back from ``encode_audio``'s
+    16-bit WAV: the wave quantized)."""
+    import soundfile
+
+    return soundfile.read(io.BytesIO(data), dtype="float32")[0]
+
+
 VIDEO_FPS = 12
 """The frame rate of sample videos."""
 

@@ -839,15 +839,30 @@ def build_processor(family_name: str, tokenizer):
     def video_processor():
         return Qwen2VLVideoProcessor(**vision)
 
-    def feature_extractor():
+    def feature_extractor(window_s: int = 30):
         return WhisperFeatureExtractor(
             feature_size=AUDIO_ENCODER["num_mel_bins"],
             sampling_rate=AUDIO_SAMPLE_RATE,
             hop_length=160,
-            chunk_length=30,
+            chunk_length=window_s,
             n_fft=400,
             padding_value=0.0,
             return_attention_mask=True,
+        )
+
+    # Qwen3-VL's and Qwen3-Omni's tower: patch 16, mean/std 0.5 (the real checkpoints')
+    qwen3_patches = dict(
+        patch_size=QWEN3_VISION["patch_size"],
+        temporal_patch_size=QWEN3_VISION["temporal_patch_size"],
+        merge_size=QWEN3_VISION["spatial_merge_size"],
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    qwen3_video_size = {"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_VIDEO_MAX_PIXELS}
+
+    def qwen3_image_processor():
+        return Qwen2VLImageProcessor(
+            size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS}, **qwen3_patches
         )
 
     template = CHAT_TEMPLATES[family_name]
@@ -873,23 +888,10 @@ def build_processor(family_name: str, tokenizer):
         )
     if family_name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5"):
         # As the real checkpoints' (Qwen3-VL-*-Instruct, Qwen3.5): mean/std 0.5, 2 fps sampled, 4 to 768 frames.
-        patches = dict(
-            patch_size=QWEN3_VISION["patch_size"],
-            temporal_patch_size=QWEN3_VISION["temporal_patch_size"],
-            merge_size=QWEN3_VISION["spatial_merge_size"],
-            image_mean=[0.5, 0.5, 0.5],
-            image_std=[0.5, 0.5, 0.5],
-        )
         return Qwen3VLProcessor(
-            image_processor=Qwen2VLImageProcessor(
-                size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS}, **patches
-            ),
+            image_processor=qwen3_image_processor(),
             video_processor=Qwen3VLVideoProcessor(
-                size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_VIDEO_MAX_PIXELS},
-                fps=2,
-                min_frames=4,
-                max_frames=768,
-                **patches,
+                size=qwen3_video_size, fps=2, min_frames=4, max_frames=768, **qwen3_patches
             ),
             tokenizer=tokenizer,
             chat_template=template,
@@ -897,31 +899,12 @@ def build_processor(family_name: str, tokenizer):
     if family_name == "qwen3_omni":
         from transformers import Qwen3OmniMoeProcessor
 
-        # As Qwen3-Omni-30B-A3B's: Qwen2-VL's image and video processors with patch 16 and mean/std 0.5
-        # (the video's pixels capped here), Whisper's extractor with 128 bins and a 300-s window.
-        patches = dict(
-            patch_size=QWEN3_VISION["patch_size"],
-            temporal_patch_size=QWEN3_VISION["temporal_patch_size"],
-            merge_size=QWEN3_VISION["spatial_merge_size"],
-            image_mean=[0.5, 0.5, 0.5],
-            image_std=[0.5, 0.5, 0.5],
-        )
+        # As Qwen3-Omni-30B-A3B's: Qwen2-VL's image and video processors with Qwen3-VL's patches (the
+        # video's pixels capped here), Whisper's extractor with a 300-s window.
         return Qwen3OmniMoeProcessor(
-            image_processor=Qwen2VLImageProcessor(
-                size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS}, **patches
-            ),
-            video_processor=Qwen2VLVideoProcessor(
-                size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_VIDEO_MAX_PIXELS}, **patches
-            ),
-            feature_extractor=WhisperFeatureExtractor(
-                feature_size=AUDIO_ENCODER["num_mel_bins"],
-                sampling_rate=AUDIO_SAMPLE_RATE,
-                hop_length=160,
-                chunk_length=300,
-                n_fft=400,
-                padding_value=0.0,
-                return_attention_mask=True,
-            ),
+            image_processor=qwen3_image_processor(),
+            video_processor=Qwen2VLVideoProcessor(size=qwen3_video_size, **qwen3_patches),
+            feature_extractor=feature_extractor(window_s=300),
             tokenizer=tokenizer,
             chat_template=template,
         )

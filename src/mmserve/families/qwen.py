@@ -4,6 +4,8 @@ only pick these up with their own placeholder tokens."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -780,16 +782,19 @@ class AudioInVideo:
     audio_token: str = "audio_token_index"
     markers: str = "<|vision_bos|><|audio_bos|>"
 
+    @functools.cached_property
+    def _layout(self) -> Callable[..., list[int]]:
+        """``layout``, imported once (on the first video with its audio: it imports vLLM's model)."""
+        module, name = self.layout.split(":")
+        return getattr(importlib.import_module(module), name)
+
     def placements(self, prompt_ids: Sequence[int], videos: Any, audios: Any, hf_config: PretrainedConfig) -> Any:
         """``{"video": [...], "audio": [...]}`` (``vllm_seam.Placement``) when the videos share
         their audio (``videos``, ``audios``: ``ProcessedItems``), else None. Raises
         ``ProcessedInputError``."""
-        import importlib
-
         from mmserve.vllm_seam import Placement
 
-        module, name = self.layout.split(":")
-        layout = getattr(importlib.import_module(module), name)
+        layout = self._layout
 
         flags = [bool(videos.get(i).get("use_audio_in_video", False)) for i in range(len(videos))]
         if not any(flags):
