@@ -277,6 +277,17 @@ _NANOBIND_LEAK_REPORT = re.compile(r"nanobind: (leaked|this is likely)| - leaked
 _NANOBIND_LEAK_LINK = re.compile(r"^See https://nanobind\S*?refleaks\.html")  # no newline: the next line follows
 
 
+STALL_S = 180.0
+"""A starting server whose log stays silent this long while not ready has stalled (no model load here
+is quiet for a minute, even on two busy cores)."""
+STALLED_LOAD = "a model's load stalled"
+"""The Python backend of tritonserver 2.51 waits for a stub's answer to its initialize without a
+timeout: twice in ~8 clean CI runs here a model (``preprocess`` once, ``encode`` once) never finished
+loading, every stub idle outside Python (their stacks: ``<no Python frame>``), the server waiting for
+good. python_backend#408 (in Triton 25.08) puts a timeout on that wait. ``start`` launches such a
+server once more, as a user would restart it."""
+
+
 class TritonServer:
     """A tritonserver process on 127.0.0.1 serving ``model_repository`` with the Python backend.
 
@@ -538,7 +549,7 @@ class TritonServer:
                     for port, fixed in zip(self.ports, self._fixed_ports, strict=True)
                     if fixed is None and f":{port}' already in use" in str(exc)
                 ]
-                if attempt + 1 >= attempts or not picked:
+                if attempt + 1 >= attempts or not (picked or STALLED_LOAD in str(exc)):
                     raise
         raise AssertionError("unreachable")
 
@@ -590,6 +601,7 @@ class TritonServer:
     def _wait_ready(self, timeout: float) -> None:
         assert self.process is not None
         deadline = time.monotonic() + timeout
+        logged, quiet_since = -1, time.monotonic()  # the log's size, and since when it has not grown
         url = f"http://{self._backend_http_url}/v2/health/ready"
         while True:
             code = self.process.poll()
@@ -611,10 +623,19 @@ class TritonServer:
                             return
             except (urllib.error.URLError, OSError):
                 pass
-            if time.monotonic() > deadline:
+            size = self.log_path.stat().st_size if self.log_path is not None and self.log_path.exists() else None
+            if size is not None and size != logged:
+                logged, quiet_since = size, time.monotonic()
+            stalled = size is not None and time.monotonic() - quiet_since > STALL_S
+            if stalled or time.monotonic() > deadline:
                 # What it waits for, into its log: every stub's Python threads.
                 if self.dump_stacks():
                     time.sleep(1.0)
+                if stalled:
+                    raise TritonServerError(
+                        f"tritonserver not ready and its log silent for {STALL_S:.0f} s: {STALLED_LOAD} (its "
+                        f"processes' stacks at the log's end); log {self.log_path}:\n" + self.log_tail()
+                    )
                 raise TritonServerError(
                     f"tritonserver not ready after {timeout:.0f} s (its processes' stacks at the log's end); "
                     f"log {self.log_path}:\n" + self.log_tail()
