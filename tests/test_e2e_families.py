@@ -1,7 +1,8 @@
 """The families beyond the default model, served end to end: ``model_repository/`` on a real tritonserver
 with ``MMSERVE_MODEL`` naming the family's tiny checkpoint (the repository unchanged), an image and a
 video file through ``mm_ensemble`` (the project's client) and through the OpenAI gateway (the
-``openai`` SDK), against HF transformers on the same media (which vLLM on the raw media equals:
+``openai`` SDK) and with the encoders apart (``model_repository_encoder/``'s ``mm_ensemble_encoded``),
+against HF transformers on the same media (which vLLM on the raw media equals:
 ``tests/test_family_<family>.py``).
 
 The server is this module's own, started before the session's shared server and stopped before it
@@ -70,7 +71,8 @@ def family_server(request, tiny_models, tmp_path_factory):
         shutil.copytree(ROOT / "model_repository", repository, ignore=shutil.ignore_patterns("__pycache__"))
         engine = repository / "mm_llm" / "model.json"
         engine.write_text(json.dumps({**json.loads(engine.read_text()), "dtype": ENGINE_DTYPES[request.param]}))
-    with TritonServer(repository, env=env, shm_default_byte_size=32 * 1024 * 1024, drain="mm_llm") as triton:
+    repositories = [repository, ROOT / "model_repository_encoder"]  # every family here has its towers
+    with TritonServer(repositories, env=env, shm_default_byte_size=32 * 1024 * 1024, drain="mm_llm") as triton:
         server = Endpoints(triton.grpc_url, triton.http_url, triton.metrics_url, server=triton)
         gateway = Gateway(server.grpc, tmp_path_factory.mktemp("gateway") / "gateway.log")
         try:
@@ -115,6 +117,13 @@ def test_media_through_the_ensemble_and_the_gateway(family_server, tiny_models):
     result = _client(server).generate(QUESTION, pngs, wavs, videos=movs, max_tokens=MAX_TOKENS, temperature=0.0)
     assert expected.matches(result.output_ids)
     assert result.num_input_tokens == inputs["input_ids"].shape[1]
+    # the encoders apart (model_repository_encoder: preprocess -> encode -> mm_llm), float32 towers
+    encoded = _client(server, entry="mm_ensemble_encoded").generate(
+        QUESTION, pngs, wavs, videos=movs, max_tokens=MAX_TOKENS, temperature=0.0
+    )
+    assert expected.matches(encoded.output_ids)
+    if family not in ENGINE_DTYPES:  # the engine's own towers in float32 too: the same tokens
+        assert encoded.output_ids == result.output_ids
 
     content = [
         *(

@@ -256,3 +256,96 @@ def test_qwen2_audio_tower_and_projector(tiny_models):
     torch.testing.assert_close(towers.audio(features, mask), want, rtol=0, atol=0)
     encoded = Encoder(towers, cache_bytes=0)(tensors)
     np.testing.assert_array_equal(encoded["audio_embeds"], want.numpy())
+
+
+def test_qwen3_omni_towers_give_the_thinkers_embeddings(tiny_models):
+    """Qwen3-Omni's vision tower (its DeepStack levels beside the merger's rows) and audio tower (13 rows
+    per 100 frames) loaded alone = the HF thinker's ``get_image_features``, ``get_video_features`` and
+    ``get_audio_features`` on ``preprocess``'s tensors, exactly; a clip longer than one 100-frame
+    window and one shorter."""
+    from mmserve.encoder import Encoder, Towers
+    from mmserve_dev.hf_reference import HFReference
+
+    path = tiny_models["qwen3_omni"]
+    reference = HFReference("qwen3_omni", path)
+    tensors = _preprocessed(
+        path,
+        images=[encode_image(sample_image(3, size=(96, 64)))],
+        audios=[encode_audio(sample_audio(4, seconds=2.3)), encode_audio(sample_audio(6, seconds=0.5))],
+        videos=[encode_video(sample_video(5, frames=4))],
+    )
+    encoded = Encoder(Towers(path), cache_bytes=0)(tensors)
+    model = reference.model
+    t = {name: torch.from_numpy(np.asarray(value)) for name, value in tensors.items()}
+
+    def vision(out):
+        return torch.cat([torch.cat(out.pooler_output), *(torch.cat(level) for level in out.deepstack_features)], -1)
+
+    with torch.inference_mode():
+        image = vision(model.get_image_features(t["pixel_values"], t["image_grid_thw"]))
+        video = vision(model.get_video_features(t["pixel_values_videos"], t["video_grid_thw"]))
+        audio = model.get_audio_features(t["input_features"], t["feature_attention_mask"]).last_hidden_state
+    np.testing.assert_array_equal(encoded["image_embeds"], image.numpy())
+    np.testing.assert_array_equal(encoded["video_embeds"], video.numpy())
+    np.testing.assert_array_equal(encoded["audio_embeds"], audio.numpy())
+    np.testing.assert_array_equal(encoded["audio_feature_lengths"], t["feature_attention_mask"].sum(-1).numpy())
+    vocab = reference.processor.tokenizer.get_vocab()
+    ids = tensors["input_ids"].tolist()
+    for modality in ("image", "video", "audio"):
+        assert len(encoded[f"{modality}_embeds"]) == ids.count(vocab[f"<|{modality}_pad|>"])
+
+
+def test_internvl_tower_gives_the_models_tile_embeddings(tiny_models):
+    """InternVL's tower, pixel shuffle and projector loaded alone = the HF model's
+    ``get_image_features`` on the tiles of two images of different tile counts, exactly; the Encoder
+    gives each image its tiles' rows, through its cache too."""
+    from mmserve.encoder import Encoder, Towers
+    from mmserve_dev.hf_reference import HFReference
+
+    path = tiny_models["internvl"]
+    reference = HFReference("internvl", path)
+    tensors = _preprocessed(
+        path, images=[encode_image(sample_image(7, size=(448, 224))), encode_image(sample_image(8, size=(64, 64)))]
+    )
+    tiles = tensors["image_num_patches"].tolist()
+    assert len(set(tiles)) == 2, tiles
+    config = reference.model.config
+    side = config.vision_config.image_size[0]
+    with torch.inference_mode():
+        want = reference.model.model.get_image_features(
+            torch.from_numpy(tensors["pixel_values"]).reshape(-1, 3, side, side),
+            vision_feature_layer=config.vision_feature_layer,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+        ).pooler_output
+    want = want.reshape(-1, want.shape[-1])
+    encoder = Encoder(Towers(path))
+    encoded = encoder(tensors)
+    np.testing.assert_array_equal(encoded["image_embeds"], want.numpy())
+    assert len(want) == sum(tiles) * config.image_seq_length
+    again = encoder(tensors)
+    assert encoder.stats.hits["image"] == 2 and encoder.stats.misses["image"] == 2
+    np.testing.assert_array_equal(again["image_embeds"], want.numpy())
+
+
+def test_audioflamingo3_tower_gives_the_models_windows(tiny_models):
+    """Audio Flamingo 3's Whisper tower and projector loaded alone = the HF model's
+    ``get_audio_features`` (each 30-s window's valid rows), exactly, for a clip of two windows and a
+    short one (its processor takes one clip per prompt); the Encoder gives each clip its windows' rows
+    and its valid frames over them."""
+    from mmserve.encoder import Encoder, Towers
+    from mmserve.families.qwen import whisper_output_length
+    from mmserve_dev.hf_reference import HFReference
+
+    path = tiny_models["audioflamingo3"]
+    reference = HFReference("audioflamingo3", path)
+    encoder = Encoder(Towers(path), cache_bytes=0)
+    for seconds, windows in ((31.0, 2), (1.5, 1)):
+        tensors = _preprocessed(path, audios=[encode_audio(sample_audio(4, seconds=seconds))])
+        assert tensors["chunk_counts"].tolist() == [windows]
+        features, mask = (torch.from_numpy(tensors[name]) for name in ("input_features", "feature_attention_mask"))
+        with torch.inference_mode():
+            want = reference.model.get_audio_features(features, mask).pooler_output
+        encoded = encoder(tensors)
+        np.testing.assert_array_equal(encoded["audio_embeds"], want.numpy())
+        assert encoded["audio_feature_lengths"].tolist() == [int(mask.sum())]
+        assert len(want) == whisper_output_length(int(mask.sum()))

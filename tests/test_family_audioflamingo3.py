@@ -192,3 +192,44 @@ def test_refused_windows_leave_the_engine_serving(engine, preprocessor):
             processed_prompt(family, wire["input_ids"], {**wire, "chunk_counts": np.array([1])}), greedy(12)
         )
     assert list(engine.generate_sync(prompt, greedy(12)).outputs[0].token_ids) == expected
+
+
+@pytest.mark.engine
+def test_the_encoders_outputs_give_hfs_tokens(engine, reference, preprocessor, tiny_models):
+    """Encoder offload: the tower and projector loaded alone (``mmserve.encoder``) give ``audio_embeds``
+    (each window's valid rows, a clip's one after the other) and each clip's valid frames in place of
+    the windows; vLLM on them = HF for a clip of two windows and a short one, alone and beside the
+    windows' prompts at once; embeddings one row short are refused by the count rule and the engine
+    serves on. Its processor takes one clip per prompt: two are refused by name before it runs."""
+    from mmserve.encoder import Encoder, Towers
+    from mmserve.errors import ProcessedInputError
+    from mmserve.families import get_family
+    from mmserve.inputs import processed_prompt
+    from mmserve.serving.preprocess import PreprocessError
+
+    family = get_family(FAMILY)
+    encoder = Encoder(Towers(tiny_models[FAMILY]), cache_bytes=0)
+    prompts, windows, expected = [], [], []
+    for seed, seconds in ((100, 45.0), (101, 3.0)):
+        wav, samples = wav_and_samples(seed, seconds)
+        text, _ = hf_inputs(reference, samples)
+        expected.append(reference.generate(text, audios=[samples], max_new_tokens=12))
+        wire = preprocessor("What is it?", audios=[wav])
+        encoded = encoder.encoded(wire)
+        assert not {"input_features", "feature_attention_mask", "chunk_counts"} & set(encoded)
+        assert encoded["audio_feature_lengths"].tolist() == [int(wire["feature_attention_mask"].sum())]
+        prompts.append(processed_prompt(family, encoded["input_ids"], encoded))
+        windows.append(processed_prompt(family, wire["input_ids"], wire))
+    alone = [list(engine.generate_sync(prompt, greedy(12)).outputs[0].token_ids) for prompt in prompts]
+    assert alone == expected, "vLLM on the tower's outputs != HF"
+    both = engine.submit(run_concurrently(engine, [*prompts, *windows], stagger_s=0.0)).result()
+    assert both == [*expected, *expected]
+
+    data = prompts[0]["multi_modal_data"]["audio"]
+    short = {**data, "audio_embeds": data["audio_embeds"][:-1]}
+    bad = {**prompts[0], "multi_modal_data": {"audio": short}}
+    with pytest.raises(ProcessedInputError, match=r"audio, audio_embeds: expected \d+ rows .*output_length"):
+        engine.generate_sync(bad, greedy(12))
+    assert list(engine.generate_sync(prompts[0], greedy(12)).outputs[0].token_ids) == expected[0]
+    with pytest.raises(PreprocessError, match="audio: 2 items; the audioflamingo3 model's processor takes at most 1"):
+        preprocessor("What is it?", audios=[wav, wav])

@@ -204,3 +204,36 @@ def test_refused_tiles_leave_the_engine_serving(engine, reference, preprocessor)
     with pytest.raises(ProcessedInputError, match=r"expected 1792 <IMG_CONTEXT> tokens"):
         engine.generate_sync({**prompt, "prompt_token_ids": ids[:at] + ids[at + 256 :]}, greedy(12))
     assert list(engine.generate_sync(prompt, greedy(12)).outputs[0].token_ids) == expected
+
+
+@pytest.mark.engine
+def test_the_encoders_outputs_give_hfs_tokens(engine, reference, preprocessor, tiny_models):
+    """Encoder offload: the tower, pixel shuffle and projector loaded alone (``mmserve.encoder``) give
+    ``image_embeds`` in place of the tiles; vLLM on them = HF for two images of different tile counts
+    in one prompt, alone and beside the tiles' prompt at once; embeddings one tile short are refused
+    by the count rule and the engine serves on."""
+    from mmserve.encoder import Encoder, Towers
+    from mmserve.errors import ProcessedInputError
+    from mmserve.families import get_family
+    from mmserve.inputs import processed_prompt
+
+    family = get_family(FAMILY)
+    images = [sample_image(90, size=(448, 224)), sample_image(91, size=(64, 64))]
+    text, _ = hf_inputs(reference, images)
+    expected = reference.generate(text, images=images, max_new_tokens=12)
+    wire = preprocessor("What is it?", [encode_image(image) for image in images])
+    assert len(set(wire["image_num_patches"].tolist())) == 2
+    encoded = Encoder(Towers(tiny_models[FAMILY]), cache_bytes=0).encoded(wire)
+    assert "pixel_values" not in encoded and encoded["image_num_patches"].tolist() == wire["image_num_patches"].tolist()
+    prompt = processed_prompt(family, encoded["input_ids"], encoded)
+    assert list(engine.generate_sync(prompt, greedy(12)).outputs[0].token_ids) == expected
+    tiles = processed_prompt(family, wire["input_ids"], wire)
+    assert engine.submit(run_concurrently(engine, [prompt, tiles], stagger_s=0.0)).result() == [expected, expected]
+
+    per_tile = reference.model.config.image_seq_length
+    short = {**encoded, "image_embeds": encoded["image_embeds"][:-per_tile]}
+    with pytest.raises(
+        ProcessedInputError, match=rf"image, image_embeds: expected \d+ rows .*image_seq_length {per_tile}"
+    ):
+        engine.generate_sync(processed_prompt(family, short["input_ids"], short), greedy(12))
+    assert list(engine.generate_sync(prompt, greedy(12)).outputs[0].token_ids) == expected

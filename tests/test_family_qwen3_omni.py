@@ -352,3 +352,51 @@ def test_files_through_preprocess_match_hf_and_bad_layouts_leave_the_engine_serv
     ):
         engine.generate_sync(joined, greedy(12))
     assert list(engine.generate_sync(prompts[0], greedy(12)).outputs[0].token_ids) == alone[0]
+
+
+@pytest.mark.engine
+def test_the_encoders_outputs_give_hfs_tokens(engine, reference, preprocessor, tiny_models):
+    """Encoder offload: the towers loaded alone (``mmserve.encoder``) give ``image_embeds`` (the DeepStack
+    levels beside the merger's rows), ``video_embeds`` and ``audio_embeds`` in place of the features;
+    vLLM on them = HF, for an image, a clip and a video in one prompt and for a video with its audio
+    track (interleaved token by token), each prefilled in steps, and beside the features' prompt at
+    once; audio embeddings one row short are refused by the count rule and the engine serves on."""
+    from mmserve.encoder import Encoder, Towers
+    from mmserve.errors import ProcessedInputError
+    from mmserve.families import get_family
+    from mmserve.inputs import processed_prompt
+
+    family = get_family(FAMILY)
+    encoder = Encoder(Towers(tiny_models[FAMILY]), cache_bytes=0)
+    image, audio, video = sample_image(71, size=(112, 84)), as_sent(sample_audio(72, seconds=2.5)), sample_video(73, 6)
+    content = [{"type": "image"}, {"type": "audio"}, {"type": "video"}, {"type": "text", "text": "What happens?"}]
+    wire = preprocessor(
+        None,
+        [encode_image(image)],
+        [encode_audio(audio)],
+        messages=json.dumps([{"role": "user", "content": content}]),
+        videos=[encode_video(video)],
+    )
+    _, inputs = hf_inputs(reference, ["image", "audio", "video"], [image], [audio], [video])
+    frames, track, _, aiv_inputs = audio_in_video(reference, 74)
+    aiv_wire = preprocessor("What happens?", videos=[encode_video(frames, audio=track)], use_audio_in_video=True)
+    prompts, features, expected = [], [], []
+    for request, hf in ((wire, inputs), (aiv_wire, aiv_inputs)):
+        encoded = preprocessor.decode_wire(encoder.encoded(request))
+        assert {"image_embeds", "video_embeds", "audio_embeds"} & set(encoded)
+        assert not {"pixel_values", "pixel_values_videos", "input_features"} & set(encoded)
+        prompts.append(processed_prompt(family, encoded["input_ids"], encoded))
+        decoded = preprocessor.decode_wire(request)
+        features.append(processed_prompt(family, decoded["input_ids"], decoded))
+        expected.append(hf_greedy(reference, hf, 12).tokens)
+    alone = [list(engine.generate_sync(prompt, greedy(12)).outputs[0].token_ids) for prompt in prompts]
+    assert alone == expected, "vLLM on the towers' outputs != HF"
+    both = engine.submit(run_concurrently(engine, [*prompts, *features], stagger_s=0.0)).result()
+    assert both == [*expected, *expected]
+
+    data = prompts[0]["multi_modal_data"]["audio"]
+    short = {**data, "audio_embeds": data["audio_embeds"][:-1]}
+    bad = {**prompts[0], "multi_modal_data": {**prompts[0]["multi_modal_data"], "audio": short}}
+    with pytest.raises(ProcessedInputError, match=r"audio, audio_embeds: expected \d+ rows .*qwen3_omni_output_length"):
+        engine.generate_sync(bad, greedy(12))
+    assert list(engine.generate_sync(prompts[0], greedy(12)).outputs[0].token_ids) == expected[0]

@@ -390,8 +390,9 @@ def test_model_repository_configs_follow_the_tensor_contract():
 
 def test_the_encoder_repository_follows_the_tensor_contract():
     """``encode`` takes what preprocess outputs and outputs the encoded tensors; ``mm_ensemble_encoded``
-    has mm_ensemble's inputs and outputs, gives encode the features it consumes and mm_llm every other
-    preprocess output, encode's outputs and the request's own inputs."""
+    has mm_ensemble's inputs and outputs, gives encode what it reads (the features it consumes, each
+    item's extent) and mm_llm every preprocess output it does not consume, encode's outputs and the
+    request's own inputs."""
     from mmserve import wire
     from mmserve.families import FAMILIES
     from mmserve.serving.contract import ENCODED_TENSORS, FEATURE_TENSORS, INPUT_IDS
@@ -408,10 +409,9 @@ def test_the_encoder_repository_follows_the_tensor_contract():
     assert first == plain.ensemble_scheduling.step[0]
     produced = {name: f"_{name}" for name in wire.names((INPUT_IDS, *FEATURE_TENSORS))}
     assert dict(first.output_map) == produced
-    grids = {"image_grid_thw", "video_grid_thw"}
-    assert dict(second.input_map) == {
-        name: internal for name, internal in produced.items() if name in {*consumed, *grids}
-    }
+    reads = frozenset().union(*(family.encoder_reads for family in FAMILIES.values()))
+    assert {"image_grid_thw", "video_grid_thw", "image_num_patches", "chunk_counts"} <= reads
+    assert dict(second.input_map) == {name: internal for name, internal in produced.items() if name in reads}
     encoded = {name: f"_{name}" for name in wire.names(ENCODED_TENSORS)}
     assert dict(second.output_map) == encoded
     own = {name: name for name in wire.names((wire.TEXT_INPUT, *wire.GENERATION_INPUTS))}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import importlib
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,73 +60,118 @@ class Towers:
                 self.modules[modality], self.specs[modality] = module, tower
                 if projector is not None:
                     self.projectors[modality] = projector.to(device=self.device, dtype=self.dtype).eval()
-        # the language model's width: every embedding's (its config sits beside the towers')
+        # the config above the towers' (the projectors', the language model's width: every embedding's)
         parent = config
         for name in self.family.towers[0].config_path[:-1]:
             parent = getattr(parent, name)
+        self.parent_config = parent
         self.hidden_size = int(parent.get_text_config().hidden_size)
 
     def merge_size(self, modality: str) -> int:
         """Patches merged into one embedding, per side (the vision tower's ``spatial_merge_size``)."""
         return int(self._tower(modality).config.spatial_merge_size)
 
-    def audio_output_lengths(self, valid_frames: Sequence[int]) -> list[int]:
-        """Embeddings of clips of ``valid_frames`` mel frames (the audio tower's own rule)."""
-        import torch
+    def vision_rows(self, modality: str, per_item: Any) -> list[int]:
+        """Embeddings of each image or video, from its row of the modality's second field: Qwen's
+        ``t*h*w / merge**2`` of its grid; a tiles tower's ``image_seq_length`` per tile."""
+        per_item = np.asarray(per_item, dtype=np.int64)
+        if self.specs[modality].tiles:
+            return [int(n) * int(self.parent_config.image_seq_length) for n in per_item.reshape(-1)]
+        merge = self.merge_size(modality)
+        return [int(n) // merge**2 for n in per_item.reshape(-1, 3).prod(-1)]
 
-        _, lengths = self._tower("audio")._get_feat_extract_output_lengths(torch.tensor(list(valid_frames)))
-        return [int(n) for n in lengths.tolist()]
+    def audio_rows(self, valid_frames: Sequence[int]) -> list[int]:
+        """Embeddings of clips of ``valid_frames`` mel frames each: the family's count rule (the
+        clip's over all its windows, where the family cuts clips into windows)."""
+        spec = self.family.modality("audio")
+        return [int(spec.output_length(int(n))) for n in valid_frames]  # type: ignore[union-attr]
 
     @property
     def modalities(self) -> tuple[str, ...]:
         return tuple(self.modules)
 
-    def image(self, pixel_values: Any, image_grid_thw: Any) -> torch.Tensor:
-        """One row per placeholder token of all the images, in order (the merger's output)."""
-        return self._vision("image", pixel_values, image_grid_thw)
+    def image(self, pixel_values: Any, per_item: Any) -> torch.Tensor:
+        """One row per placeholder token of all the images, in order: the tower's output (after its
+        merger, or pixel shuffle and projector). ``per_item``: the grids (Qwen), the tiles (InternVL)."""
+        return self._vision("image", pixel_values, per_item)
 
     def video(self, pixel_values_videos: Any, video_grid_thw: Any) -> torch.Tensor:
         return self._vision("video", pixel_values_videos, video_grid_thw)
 
     def audio(self, input_features: Any, feature_attention_mask: Any) -> torch.Tensor:
-        """One row per placeholder token of all the clips, in order: the valid frames of each clip
-        (``feature_attention_mask``) through the audio tower, as the model reads them."""
+        """One row per placeholder token of all the rows of ``input_features`` (clips, or windows of
+        them), in order: the valid frames of each (``feature_attention_mask``) as the model reads them."""
         import torch
 
         tower = self._tower("audio")
         features = self._tensor(input_features).to(self.dtype)
         mask = self._tensor(feature_attention_mask).bool()
         lengths = mask.sum(-1)
-        after_cnn, outputs = tower._get_feat_extract_output_lengths(lengths)
+        takes = inspect.signature(tower.forward).parameters
         with torch.inference_mode():
-            if not self.specs["audio"].padded:
+            if not self.specs["audio"].padded:  # the valid frames packed together (Qwen's Omni towers)
                 valid = features.permute(0, 2, 1)[mask].permute(1, 0)
-                return tower(valid, feature_lens=lengths, aftercnn_lens=after_cnn).last_hidden_state
+                if "aftercnn_lens" in takes:  # Qwen2.5-Omni's
+                    after_cnn, _ = tower._get_feat_extract_output_lengths(lengths)
+                    return tower(valid, feature_lens=lengths, aftercnn_lens=after_cnn).last_hidden_state
+                return tower(valid, feature_lens=lengths).last_hidden_state
             # the whole window, the padding masked out (as the HF model's forward does), then the
-            # projector, then each clip's valid rows
-            from transformers.masking_utils import create_bidirectional_mask
+            # projector, then each row's valid outputs
+            after_cnn, outputs = tower._get_feat_extract_output_lengths(lengths)
+            if "input_features_mask" in takes:  # Audio Flamingo 3's: it builds the mask itself
+                hidden = tower(features, input_features_mask=mask.long()).last_hidden_state
+            else:  # Qwen2-Audio's
+                from transformers.masking_utils import create_bidirectional_mask
 
-            steps = (features.shape[-1] - 2) // 2 + 1
-            valid_steps = (torch.arange(steps, device=self.device)[None, :] < after_cnn[:, None]).long()
-            attention = create_bidirectional_mask(
-                config=tower.config,
-                inputs_embeds=torch.zeros(features.shape[0], steps, 1, dtype=self.dtype, device=self.device),
-                attention_mask=valid_steps,
-            )
-            hidden = self.projectors["audio"](tower(features, attention_mask=attention).last_hidden_state)
+                steps = (features.shape[-1] - 2) // 2 + 1
+                valid_steps = (torch.arange(steps, device=self.device)[None, :] < after_cnn[:, None]).long()
+                attention = create_bidirectional_mask(
+                    config=tower.config,
+                    inputs_embeds=torch.zeros(features.shape[0], steps, 1, dtype=self.dtype, device=self.device),
+                    attention_mask=valid_steps,
+                )
+                hidden = tower(features, attention_mask=attention).last_hidden_state
+            hidden = self.projectors["audio"](hidden)
             keep = torch.arange(hidden.shape[1], device=self.device)[None, :] < outputs[:, None]
             return hidden[keep]
 
-    def _vision(self, modality: str, pixels: Any, grid: Any) -> torch.Tensor:
+    def _vision(self, modality: str, pixels: Any, per_item: Any) -> torch.Tensor:
         import torch
 
         tower = self._tower(modality)
+        if self.specs[modality].tiles:
+            return self._tiles(modality, pixels)
         with torch.inference_mode():
-            out = tower(self._tensor(pixels).to(self.dtype), grid_thw=self._tensor(grid))
+            out = tower(self._tensor(pixels).to(self.dtype), grid_thw=self._tensor(per_item))
         deepstack = getattr(out, "deepstack_features", None)
-        if deepstack:  # Qwen3-VL: its DeepStack levels after the merger's output, as vLLM's tower gives them
+        if (
+            deepstack
+        ):  # Qwen3-VL, Qwen3-Omni: the DeepStack levels after the merger's output, as vLLM's tower gives them
             return torch.cat([out.pooler_output, *deepstack], dim=-1)
         return out.pooler_output
+
+    def _tiles(self, modality: str, pixels: Any) -> torch.Tensor:
+        """InternVL's ``get_image_features``: the tiles through the tower, the patch tokens of the
+        configured layer (its class token dropped by the ``default`` strategy), pixel-shuffled by
+        ``downsample_ratio``, then the projector."""
+        import torch
+        from transformers.models.internvl.modeling_internvl import InternVLModel
+
+        tower, config = self._tower(modality), self.parent_config
+        vision = tower.config
+        size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
+        tiles = self._tensor(pixels).to(self.dtype).reshape(-1, vision.num_channels, size, size)
+        layer = config.vision_feature_layer
+        with torch.inference_mode():
+            out = tower(pixel_values=tiles, output_hidden_states=layer != -1)
+            features = out.last_hidden_state if layer == -1 else out.hidden_states[layer]
+            if config.vision_feature_select_strategy == "default":
+                features = features[:, 1:, :]
+            side = int(features.shape[1] ** 0.5)
+            features = features.reshape(features.shape[0], side, side, -1)
+            features = InternVLModel.pixel_shuffle(None, features, scale_factor=config.downsample_ratio)
+            features = self.projectors[modality](features.reshape(features.shape[0], -1, features.shape[-1]))
+        return features.reshape(-1, features.shape[-1])
 
     def _tower(self, modality: str) -> torch.nn.Module:
         if modality not in self.modules:
@@ -135,7 +181,7 @@ class Towers:
     def _tensor(self, value: Any) -> torch.Tensor:
         import torch
 
-        tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
+        tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
         return tensor.to(self.device)
 
 
@@ -196,8 +242,9 @@ class CacheStats:
 class Encoder:
     """``preprocess``'s outputs -> the fields ``mm_llm`` takes in their place (the families'
     ``encoded`` forms): ``image_embeds``, ``video_embeds``, ``audio_embeds`` and
-    ``audio_feature_lengths``, every one present (empty without items), the other outputs of
-    ``preprocess`` (grids, ``input_ids``) unchanged and not returned.
+    ``audio_feature_lengths`` (each clip's valid frames, over all its windows), every one present
+    (empty without items), the other outputs of ``preprocess`` (grids, tile counts, ``input_ids``)
+    unchanged and not returned.
 
     Item by item through an LRU cache of embeddings keyed by a hash of the item's own tensors (its
     patches as sent, uint8 when they are, and grid; its valid mel frames) and bounded in bytes
@@ -235,60 +282,66 @@ class Encoder:
         encoders' outputs: what ``mm_ensemble_encoded`` hands ``mm_llm``."""
         return {**{name: value for name, value in tensors.items() if name not in self.consumed}, **self(tensors)}
 
-    # -- vision: rows of patches per item, by the grid -------------------------------------------
+    # -- vision: rows of patches (or tiles) per item, by the item's grid (or tile count) ----------
     def _vision(self, modality: str, tensors: Mapping[str, Any]) -> np.ndarray:
-        # The family's fields: the patches first, then the grid; a wire field may stand for the
-        # patches (uint8 ones, decoded for the items the cache misses).
+        # The family's fields: the patches first, then the grid (Qwen) or the tiles (InternVL) of
+        # each item; a wire field may stand for the patches (uint8 ones, decoded for the items the
+        # cache misses).
         spec = self.towers.family.modality(modality)
         assert spec is not None, modality
-        patches, grid_name = spec.fields[0].name, spec.fields[1].name
+        patches, per_item_name = spec.fields[0].name, spec.fields[1].name
         pixel_names = (patches, *sorted(spec.wire_field_names & self.consumed))
-        grid = np.asarray(tensors.get(grid_name, np.zeros((0, 3), np.int64))).reshape(-1, 3)
         pixel_name = next((n for n in pixel_names if numel(tensors.get(n))), None)
-        if pixel_name is None or not len(grid):
+        if pixel_name is None or not numel(tensors.get(per_item_name)):
             return np.zeros((0, self.hidden_size), np.float32)
-        pixels = np.asarray(tensors[pixel_name])
-        bounds = np.concatenate([[0], np.cumsum(grid.prod(-1))])
-        items = [(pixels[bounds[i] : bounds[i + 1]], grid[i : i + 1]) for i in range(len(grid))]
+        pixels, per_item = np.asarray(tensors[pixel_name]), np.asarray(tensors[per_item_name])
+        bounds = np.concatenate([[0], np.cumsum(spec.item_rows(tensors))])
+        items = [(pixels[bounds[i] : bounds[i + 1]], per_item[i : i + 1]) for i in range(len(bounds) - 1)]
 
         def encode(batch: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
             fields = {
                 pixel_name: np.concatenate([p for p, _ in batch]),
-                grid_name: np.concatenate([g for _, g in batch]),
+                per_item_name: np.concatenate([g for _, g in batch]),
             }
             if pixel_name != pixel_names[0]:  # a wire field (uint8 patches): the processor's values
                 fields = self.decoders[modality](fields)
-            embeds = getattr(self.towers, modality)(fields[pixel_names[0]], fields[grid_name])
-            merge = self.towers.merge_size(modality)
-            return _split(embeds, [int(g.prod()) // merge**2 for _, g in batch])
+            embeds = getattr(self.towers, modality)(fields[pixel_names[0]], fields[per_item_name])
+            return _split(embeds, self.towers.vision_rows(modality, fields[per_item_name]))
 
         return self._through_cache(modality, items, encode)
 
-    # -- audio: one clip per row of the batch, its valid frames ----------------------------------
+    # -- audio: the rows of each clip (one, or its windows), their valid frames ------------------
     def _audio(self, tensors: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         mask = tensors.get("feature_attention_mask")
         if not numel(mask):
             return np.zeros((0, self.hidden_size), np.float32), np.zeros((0,), np.int64)
+        spec = self.towers.family.modality("audio")
+        assert spec is not None
         features, mask = np.asarray(tensors["input_features"]), np.asarray(mask)
         lengths = mask.sum(-1).astype(np.int64)
+        bounds = np.concatenate([[0], np.cumsum(spec.item_rows(tensors))])
         # A padded tower's convolutions read the feature extractor's padding next to the valid
-        # frames: such an item is its whole window; otherwise its valid frames alone.
+        # frames: such an item is its whole windows; otherwise its valid frames alone.
         whole = self.towers.specs["audio"].padded
         items = [
-            (features[i] if whole else features[i, :, : lengths[i]], lengths[i : i + 1]) for i in range(len(lengths))
+            (features[a:b] if whole else features[a:b, :, : lengths[a]], lengths[a:b])
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
         ]
 
         def encode(batch: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
             frames = max(f.shape[-1] for f, _ in batch)
-            padded = np.zeros((len(batch), batch[0][0].shape[0], frames), np.float32)
-            valid = np.zeros((len(batch), frames), np.int32)
-            for row, (f, n) in enumerate(batch):
-                padded[row, :, : f.shape[-1]] = f
-                valid[row, : int(n[0])] = 1
+            rows = np.concatenate([n for _, n in batch])
+            padded = np.zeros((len(rows), batch[0][0].shape[1], frames), np.float32)
+            valid = (np.arange(frames)[None, :] < rows[:, None]).astype(np.int32)
+            row = 0
+            for f, _ in batch:
+                padded[row : row + len(f), :, : f.shape[-1]] = f
+                row += len(f)
             embeds = self.towers.audio(padded, valid)
-            return _split(embeds, self.towers.audio_output_lengths([int(n[0]) for _, n in batch]))
+            return _split(embeds, self.towers.audio_rows([int(n.sum()) for _, n in batch]))
 
-        return self._through_cache("audio", items, encode), lengths
+        clip_frames = np.array([int(n.sum()) for _, n in items], dtype=np.int64)
+        return self._through_cache("audio", items, encode), clip_frames
 
     # -- the cache -----------------------------------------------------------------------------------
     def _through_cache(self, modality: str, items: list[tuple[np.ndarray, np.ndarray]], encode: Any) -> np.ndarray:

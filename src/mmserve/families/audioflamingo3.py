@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mmserve.errors import ProcessedInputError
-from mmserve.families.base import FamilySpec, FieldSpec, ModalitySpec
-from mmserve.families.qwen import MAX_LOG_MEL, whisper_output_length
+from mmserve.families.base import FamilySpec, FieldSpec, ModalitySpec, TowerSpec
+from mmserve.families.qwen import MAX_LOG_MEL, AudioEmbeddings, whisper_output_length
 
 if TYPE_CHECKING:
     import torch
@@ -33,6 +33,7 @@ class WindowedAudio(ModalitySpec):
 
     modality = "audio"
     max_item_seconds_replaces_window = True
+    max_items = 1  # its processor: "Got 1 text but 2 audios; they must match 1:1"
 
     def __init__(self, placeholder_token: str = "<sound>") -> None:
         self.placeholder_token = placeholder_token
@@ -58,9 +59,6 @@ class WindowedAudio(ModalitySpec):
                 "windows of each clip, in prompt order (vLLM's name; preprocess cuts the clips as the processor does)",
             ),
         )
-
-    def processor_kwargs(self, processor: Any, items: Sequence[Any]) -> dict[str, Any]:
-        return {"return_tensors": "pt"}  # the only kind its processor returns
 
     def max_item_seconds(self, checkpoint_config: Mapping[str, Any], processor: Any) -> float | None:
         """The processor's ``max_audio_len``: it truncates longer clips silently, preprocess refuses them."""
@@ -117,7 +115,6 @@ class WindowedAudio(ModalitySpec):
                 expected=f"positive counts of windows summing to the {windows} windows of input_features",
                 found=str(clips[:16]),
             )
-        positions = int(hf_config.get_text_config().max_position_embeddings)
         start = 0
         for index, count in enumerate(clips):
             lengths = valid[start : start + count]
@@ -129,17 +126,31 @@ class WindowedAudio(ModalitySpec):
                     expected=f"{whole} valid frames in every window of a clip but its last (the processor's cut)",
                     found=str(lengths[:-1][:8]),
                 )
-            tokens = whisper_output_length(sum(lengths))
-            if not 1 <= tokens <= positions:
-                raise ProcessedInputError(
-                    "audio",
-                    item=index,
-                    field="feature_attention_mask",
-                    expected=f"between 1 and {positions} placeholder tokens (at least 3 valid frames; the "
-                    "language model's positions)",
-                    found=f"{tokens} from {sum(lengths)} valid frames",
-                )
+            self.check_clip_frames("feature_attention_mask", index, sum(lengths), hf_config)
             start += count
+
+    def check_clip_frames(self, field: str, index: int, length: int, hf_config: PretrainedConfig) -> None:
+        """A clip of ``length`` valid mel frames over all its windows: at least one placeholder, at
+        most the language model's positions."""
+        positions = int(hf_config.get_text_config().max_position_embeddings)
+        tokens = self.output_length(length)
+        if not 1 <= tokens <= positions:
+            raise ProcessedInputError(
+                "audio",
+                item=index,
+                field=field,
+                expected=f"between 1 and {positions} placeholder tokens (at least 3 valid frames; the "
+                "language model's positions)",
+                found=f"{tokens} from {length} valid frames",
+            )
+
+    def output_length(self, mel_frames: int) -> int:
+        """Placeholders of a clip of ``mel_frames`` valid frames over all its windows (whole but the
+        last): Whisper's rule, which adds up over whole windows (3000 frames: 750)."""
+        return whisper_output_length(mel_frames)
+
+    def item_rows(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+        return np.asarray(tensors["chunk_counts"], dtype=np.int64)  # each clip's windows
 
     def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
         from mmserve.vllm_seam import MultiModalFieldConfig
@@ -152,7 +163,7 @@ class WindowedAudio(ModalitySpec):
         }
 
     def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
-        return whisper_output_length(int(item["feature_attention_mask"].sum()))
+        return self.output_length(int(item["feature_attention_mask"].sum()))
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"{int(item['chunk_counts'])} window(s), {int(item['feature_attention_mask'].sum())} valid mel frames"
@@ -184,10 +195,29 @@ def windows(processor: Any, clips: Sequence[np.ndarray]) -> list[int]:
     return [min(max(1, -(-len(clip) // window)), most) for clip in clips]
 
 
+_AUDIO = WindowedAudio()
+
 AUDIO_FLAMINGO_3 = FamilySpec(
     name="audioflamingo3",
     stock_architectures=("AudioFlamingo3ForConditionalGeneration",),
     passthrough_architecture="MMServePassthroughAudioFlamingo3",
     vllm_model="vllm.model_executor.models.audioflamingo3:AudioFlamingo3ForConditionalGeneration",
-    modalities=(WindowedAudio(),),
+    modalities=(_AUDIO,),
+    processor_tensors="pt",  # "AudioFlamingo3Processor only supports `return_tensors='pt'`"
+    # each clip's rows, its windows' valid rows one after the other (vLLM 0.32 takes audio_embeds)
+    encoded=(AudioEmbeddings(_AUDIO),),
+    towers=(
+        TowerSpec(
+            ("audio",),
+            "transformers.models.audioflamingo3.modeling_audioflamingo3:AudioFlamingo3Encoder",
+            ("audio_config",),
+            "audio_tower.",
+            projector=(
+                "transformers.models.audioflamingo3.modeling_audioflamingo3:AudioFlamingo3MultiModalProjector",
+                "multi_modal_projector.",
+            ),
+            padded=True,
+        ),
+    ),
+    model_mixins=("mmserve.passthrough.models.qwen2_audio:Qwen2AudioEmbeddings",),
 )

@@ -263,6 +263,10 @@ class ModalitySpec(ABC):
         are the processor's own cut of its samples."""
         return dict(processed)
 
+    max_items: int | None = None
+    """The most items of this modality one prompt takes, where the family's processor bounds it
+    (Audio Flamingo 3's: one clip per text); ``preprocess`` refuses more with its own message."""
+
     max_item_seconds_replaces_window: bool = False
     """``max_item_seconds`` bounds a clip on its own, beyond the feature extractor's window (a
     processor that cuts long clips into windows itself: Audio Flamingo 3); else a clip is bounded by
@@ -292,6 +296,14 @@ class ModalitySpec(ABC):
         own message instead of passing them to the engine. Default: no such bound."""
         return None
 
+    def item_rows(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Rows of the modality's first field per item, in prompt order, from one request's tensors
+        (``validate`` accepted them): how ``mmserve.encoder`` cuts a request into items to cache and
+        encode them one by one. Qwen's vision: ``t*h*w`` patches of each grid; InternVL: each image's
+        tiles; Whisper audio: one clip per row; Audio Flamingo 3: each clip's windows. A family
+        with ``towers`` defines it for every modality they encode."""
+        raise NotImplementedError(f"{type(self).__name__}: items of {self.modality} for the encoder")
+
 
 @dataclass(frozen=True)
 class TowerSpec:
@@ -312,8 +324,12 @@ class TowerSpec:
     ``multi_modal_projector``); None where the tower outputs that width itself."""
     padded: bool = False
     """An audio tower that takes every clip padded to its whole window (``2 * max_source_positions``
-    frames) with a mask over the padding (Qwen2-Audio's absolute positions), not the valid frames
-    packed together (Qwen2.5-Omni)."""
+    frames) with a mask over the padding (Qwen2-Audio's absolute positions, Audio Flamingo 3's
+    windows), not the valid frames packed together (Qwen2.5-Omni, Qwen3-Omni)."""
+    tiles: bool = False
+    """A vision tower over whole tiles (tiles, channels, height, width) whose patch tokens (its class
+    token dropped) are pixel-shuffled by the config's ``downsample_ratio`` before the ``projector``
+    (InternVL), not over Qwen's rows of patches with their grid."""
 
 
 @dataclass(frozen=True)
@@ -339,6 +355,8 @@ class FamilySpec:
     """How the family lays out a video with its audio track (``qwen.AudioInVideo``), if it takes one."""
     model_mixins: tuple[str, ...] = ()
     """``"module:Class"`` of fixes placed over the stock vLLM model class (``vllm_seam``)."""
+    processor_tensors: str = "np"
+    """``return_tensors`` of every call of the family's HF processor (Audio Flamingo 3's returns "pt" only)."""
     tool_call_parser: str = "hermes"
     """vLLM's tool call parser for the family's format (``vllm serve --tool-call-parser``): how a
     tool call is written (``<tool_call>{...}</tool_call>`` for the Qwen families), constrained and read."""
@@ -371,6 +389,15 @@ class FamilySpec:
             kept = encoded.field_names | encoded.wire_field_names
             replaced |= (features.field_names | features.wire_field_names) - kept
         return frozenset(replaced)
+
+    @property
+    def encoder_reads(self) -> frozenset[str]:
+        """What ``mmserve.encoder`` reads of ``preprocess``'s outputs: the fields it consumes, and the
+        fields of each item's extent that stay beside its embeddings (Qwen's grids, InternVL's tiles
+        per image)."""
+        extents = {m.fields[1].name for m in self.modalities if m.modality in ("image", "video")}
+        kept = frozenset().union(*(encoded.field_names for encoded in self.encoded))
+        return self.replaced_by_encoded | (extents & kept) if self.encoded else frozenset()
 
     def field_names(self, modality: str) -> frozenset[str]:
         """The fields of every form of ``modality``."""
@@ -426,6 +453,39 @@ and 0.5 within [-1, 1]. Far larger finite values overflow a tower's float32 arit
 1e30 in ``pixel_values_videos`` made the Qwen3-VL tower's output NaN (its LayerNorm's variance), and
 those NaN keys and values in vLLM's CPU KV cache made the next, unrelated request answer token 0
 (found by ``tests/test_property_engine.py``); half-precision deployments overflow far sooner."""
+
+
+def hidden_size(hf_config: PretrainedConfig) -> int:
+    """The language model's hidden size: the width of every embedding merged into the prompt."""
+    return int(hf_config.get_text_config().hidden_size)
+
+
+def check_embeddings(
+    modality: str,
+    field: str,
+    embeds: Any,
+    rows: int,
+    hf_config: PretrainedConfig,
+    rule: str,
+    width: tuple[int, str] | None = None,
+) -> None:
+    """An encoder's output sent in place of its input (encoder offload): ``rows`` rows (one per
+    placeholder token, by ``rule``) of ``width`` values (default: the LLM's hidden size)."""
+    hidden, meaning = width or (hidden_size(hf_config), "the language model's hidden size")
+    if embeds.shape[1] != hidden:
+        raise ProcessedInputError(
+            modality,
+            field=field,
+            expected=f"{hidden} values per row ({meaning})",
+            found=f"shape {tuple(embeds.shape)}",
+        )
+    if embeds.shape[0] != rows:
+        raise ProcessedInputError(
+            modality,
+            field=field,
+            expected=f"{rows} rows (one per placeholder token: {rule})",
+            found=f"{embeds.shape[0]} rows",
+        )
 
 
 def check_pixel_magnitude(modality: str, field: str, pixels: torch.Tensor) -> None:

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mmserve.errors import ProcessedInputError
-from mmserve.families.base import FamilySpec, FieldSpec, ModalitySpec, check_pixel_magnitude
+from mmserve.families.base import (
+    FamilySpec,
+    FieldSpec,
+    ModalitySpec,
+    TowerSpec,
+    check_embeddings,
+    check_pixel_magnitude,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +38,27 @@ def _tile(hf_config: PretrainedConfig) -> tuple[int, int, int]:
     size = vision.image_size
     height, width = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
     return int(getattr(vision, "num_channels", 3)), height, width
+
+
+def _check_tile_counts(counts: torch.Tensor, hf_config: PretrainedConfig) -> list[int]:
+    """``image_num_patches``: at least one image, each of 1 tile or more, its placeholders within the
+    language model's positions. Returns the counts as exact integers."""
+    if counts.shape[0] == 0:
+        raise ProcessedInputError("image", field="image_num_patches", expected="at least one image", found="0")
+    positions = int(hf_config.get_text_config().max_position_embeddings)
+    per_tile = int(hf_config.image_seq_length)
+    tiles = counts.tolist()  # exact integers
+    for index, count in enumerate(tiles):
+        if count < 1 or count * per_tile > positions:
+            raise ProcessedInputError(
+                "image",
+                item=index,
+                field="image_num_patches",
+                expected=f"between 1 and {positions // per_tile} tiles ({per_tile} placeholders each, within the "
+                f"language model's {positions} positions)",
+                found=str(count),
+            )
+    return [int(count) for count in tiles]
 
 
 class TiledImage(ModalitySpec):
@@ -71,21 +99,7 @@ class TiledImage(ModalitySpec):
                 expected=f"{values} values per tile ({channels}x{height}x{width}, the vision tower's input)",
                 found=f"shape {tuple(pixels.shape)}",
             )
-        if counts.shape[0] == 0:
-            raise ProcessedInputError("image", field="image_num_patches", expected="at least one image", found="0")
-        positions = int(hf_config.get_text_config().max_position_embeddings)
-        per_tile = int(hf_config.image_seq_length)
-        tiles = counts.tolist()  # exact integers
-        for index, count in enumerate(tiles):
-            if count < 1 or count * per_tile > positions:
-                raise ProcessedInputError(
-                    "image",
-                    item=index,
-                    field="image_num_patches",
-                    expected=f"between 1 and {positions // per_tile} tiles ({per_tile} placeholders each, within the "
-                    f"language model's {positions} positions)",
-                    found=str(count),
-                )
+        tiles = _check_tile_counts(counts, hf_config)
         if sum(tiles) != pixels.shape[0]:
             raise ProcessedInputError(
                 "image",
@@ -122,6 +136,9 @@ class TiledImage(ModalitySpec):
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"image_num_patches={int(item['image_num_patches'])}"
 
+    def item_rows(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+        return np.asarray(tensors["image_num_patches"], dtype=np.int64)  # each image's tiles
+
     def complete(
         self,
         processed: Mapping[str, Any],
@@ -154,10 +171,70 @@ class TiledImage(ModalitySpec):
         return out
 
 
+class TileEmbeddings(ModalitySpec):
+    """Images as the vision tower's output after pixel shuffle and the projector (``image_embeds``:
+    ``image_seq_length`` rows per tile) with each image's tiles (``image_num_patches``): what
+    ``mm_llm`` takes when the encoder ran apart (vLLM 0.32's model takes ``image_embeds`` as they are)."""
+
+    modality = "image"
+
+    def __init__(self, features: TiledImage) -> None:
+        self.features = features
+        self.placeholder_token = features.placeholder_token
+        self.fields = (
+            FieldSpec(
+                "image_embeds",
+                "float32",
+                ("tokens", "hidden"),
+                "the vision tower's output for all images (encoder offload), in place of pixel_values: "
+                "one row per placeholder token, the language model's hidden size",
+            ),
+            features.fields[1],
+        )
+
+    def validate(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> None:
+        tiles = _check_tile_counts(data["image_num_patches"], hf_config)
+        per_tile = int(hf_config.image_seq_length)
+        rule = f"image_seq_length {per_tile} per tile of image_num_patches"
+        check_embeddings("image", "image_embeds", data["image_embeds"], sum(tiles) * per_tile, hf_config, rule)
+
+    def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
+        from mmserve.vllm_seam import MultiModalFieldConfig
+
+        counts = data["image_num_patches"]
+        return {
+            "image_embeds": MultiModalFieldConfig.flat_from_sizes("image", counts * int(hf_config.image_seq_length)),
+            "image_num_patches": MultiModalFieldConfig.batched("image", keep_on_cpu=True),
+        }
+
+    def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
+        return self.features.expected_tokens(item, hf_config)
+
+    def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
+        return self.features.describe_item(item)
+
+
+_IMAGE = TiledImage()
+
 INTERNVL = FamilySpec(
     name="internvl",
     stock_architectures=("InternVLForConditionalGeneration",),
     passthrough_architecture="MMServePassthroughInternVL",
     vllm_model="vllm.model_executor.models.interns1:InternS1ForConditionalGeneration",
-    modalities=(TiledImage(),),
+    modalities=(_IMAGE,),
+    encoded=(TileEmbeddings(_IMAGE),),
+    towers=(
+        TowerSpec(
+            ("image",),
+            "transformers.models.internvl.modeling_internvl:InternVLVisionModel",
+            ("vision_config",),
+            "model.vision_tower.",
+            projector=(
+                "transformers.models.internvl.modeling_internvl:InternVLMultiModalProjector",
+                "model.multi_modal_projector.",
+            ),
+            tiles=True,
+        ),
+    ),
+    model_mixins=("mmserve.passthrough.models.internvl:InternVLEmbeddings",),
 )

@@ -11,12 +11,19 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from mmserve.errors import ProcessedInputError
-from mmserve.families.base import FieldSpec, ModalitySpec, WireDecoder, check_pixel_magnitude
+from mmserve.families.base import (
+    FieldSpec,
+    ModalitySpec,
+    WireDecoder,
+    check_embeddings,
+    check_pixel_magnitude,
+    hidden_size,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -191,6 +198,11 @@ def _patches_per_item(grid: Any) -> torch.Tensor:
     return torch.tensor([t * h * w for t, h, w in _grid_rows(grid)], dtype=torch.int64)
 
 
+def _grid_item_rows(tensors: Mapping[str, np.ndarray], modality: str) -> np.ndarray:
+    """Patch rows of each item: ``t*h*w`` of its row of ``{modality}_grid_thw``."""
+    return np.asarray(tensors[f"{modality}_grid_thw"], dtype=np.int64).reshape(-1, 3).prod(-1)
+
+
 def _item_tokens(grid: Any, merge: int) -> int:
     """Placeholders of one item's (t, h, w): t*h*w / merge**2, in exact integers."""
     t, h, w = (int(v) for v in grid.tolist())
@@ -347,6 +359,9 @@ class QwenVisionImage(ModalitySpec):
     def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
         _, merge = _vision(hf_config)
         return _item_tokens(item["image_grid_thw"], merge)
+
+    def item_rows(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+        return _grid_item_rows(tensors, self.modality)
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"image_grid_thw={item['image_grid_thw'].tolist()}"
@@ -581,6 +596,9 @@ class QwenVisionVideo(ModalitySpec):
         _, merge = _vision(hf_config)
         return _item_tokens(item["video_grid_thw"], merge)
 
+    def item_rows(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+        return _grid_item_rows(tensors, self.modality)
+
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"video_grid_thw={item['video_grid_thw'].tolist()}"
 
@@ -665,6 +683,9 @@ class TimestampedVideo(ModalitySpec):
     def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
         _, merge = _vision(hf_config)
         return _item_tokens(item["video_grid_thw"], merge)
+
+    def item_rows(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+        return _grid_item_rows(tensors, self.modality)
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"video_grid_thw={item['video_grid_thw'].tolist()}"
@@ -1008,7 +1029,7 @@ class WhisperAudio(ModalitySpec):
                     expected="a prefix of ones followed by zeros",
                     found="ones after a zero",
                 )
-            _check_valid_frames("feature_attention_mask", index, length, max_frames, self.output_length)
+            self.check_clip_frames("feature_attention_mask", index, length, hf_config)
 
     def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
         from mmserve.vllm_seam import MultiModalFieldConfig
@@ -1020,6 +1041,13 @@ class WhisperAudio(ModalitySpec):
 
     def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
         return self.output_length(int(item["feature_attention_mask"].sum()))
+
+    def item_rows(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+        return np.ones(len(tensors["feature_attention_mask"]), dtype=np.int64)  # a clip per row
+
+    def check_clip_frames(self, field: str, index: int, length: int, hf_config: PretrainedConfig) -> None:
+        """A clip of ``length`` valid mel frames, whatever the form its features take."""
+        _check_valid_frames(field, index, length, 2 * hf_config.audio_config.max_source_positions, self.output_length)
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"{int(item['feature_attention_mask'].sum())} valid mel frames"
@@ -1087,48 +1115,15 @@ def _find_audio_config(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 
 # -- the encoders' outputs in place of their inputs (encoder offload: mmserve.encoder) ------------
-def _hidden_size(hf_config: PretrainedConfig) -> int:
-    """The language model's hidden size: the width of every embedding merged into the prompt."""
-    return int(hf_config.get_text_config().hidden_size)
-
-
 def _vision_embedding_width(hf_config: PretrainedConfig) -> tuple[int, str]:
     """Values per row of a vision tower's output, and what they are: the language model's hidden
     size, times 1 + the DeepStack levels where the tower has them (Qwen3-VL: the merger's output, then
     each level's, as vLLM's tower concatenates them and its model splits them)."""
-    hidden = _hidden_size(hf_config)
+    hidden = hidden_size(hf_config)
     levels = len(getattr(hf_config.vision_config, "deepstack_visual_indexes", None) or ())
     if levels:
         return hidden * (1 + levels), f"the language model's hidden size {hidden} x (1 + {levels} DeepStack levels)"
     return hidden, "the language model's hidden size"
-
-
-def _check_embeddings(
-    modality: str,
-    field: str,
-    embeds: Any,
-    rows: int,
-    hf_config: PretrainedConfig,
-    rule: str,
-    width: tuple[int, str] | None = None,
-) -> None:
-    """``embeds``: ``rows`` rows (one per placeholder token, by ``rule``) of ``width`` values (default:
-    the LLM's hidden size)."""
-    hidden, meaning = width or (_hidden_size(hf_config), "the language model's hidden size")
-    if embeds.shape[1] != hidden:
-        raise ProcessedInputError(
-            modality,
-            field=field,
-            expected=f"{hidden} values per row ({meaning})",
-            found=f"shape {tuple(embeds.shape)}",
-        )
-    if embeds.shape[0] != rows:
-        raise ProcessedInputError(
-            modality,
-            field=field,
-            expected=f"{rows} rows (one per placeholder token: {rule})",
-            found=f"{embeds.shape[0]} rows",
-        )
 
 
 class VisionEmbeddings(ModalitySpec):
@@ -1164,7 +1159,7 @@ class VisionEmbeddings(ModalitySpec):
         rows = sum(t * h * w // merge**2 for t, h, w in _grid_rows(grid))
         rule = f"sum of t*h*w/{merge * merge} over {self.modality}_grid_thw"
         width = _vision_embedding_width(hf_config)
-        _check_embeddings(self.modality, self.embeds, data[self.embeds], rows, hf_config, rule, width)
+        check_embeddings(self.modality, self.embeds, data[self.embeds], rows, hf_config, rule, width)
 
     def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
         from mmserve.vllm_seam import MultiModalFieldConfig
@@ -1195,6 +1190,18 @@ class VisionEmbeddings(ModalitySpec):
         return self.features.placeholder_runs(tensors, items)
 
 
+class ClipAudio(Protocol):
+    """What ``AudioEmbeddings`` needs of the features' spec: ``WhisperAudio``, Audio Flamingo 3's
+    ``WindowedAudio``."""
+
+    placeholder_token: str
+    enclosed_by: tuple[str, str] | None
+
+    def output_length(self, mel_frames: int) -> int: ...
+
+    def check_clip_frames(self, field: str, index: int, length: int, hf_config: PretrainedConfig) -> None: ...
+
+
 class AudioEmbeddings(ModalitySpec):
     """Clips as the audio tower's output (``audio_embeds``: one row per placeholder token) with each
     clip's valid mel frames (``audio_feature_lengths``, which the LLM's positions need): what
@@ -1202,9 +1209,10 @@ class AudioEmbeddings(ModalitySpec):
 
     modality = "audio"
 
-    def __init__(self, features: WhisperAudio) -> None:
+    def __init__(self, features: ClipAudio) -> None:
         self.features = features
         self.placeholder_token = features.placeholder_token
+        self.enclosed_by = features.enclosed_by
         self.fields = (
             FieldSpec(
                 "audio_embeds",
@@ -1217,7 +1225,8 @@ class AudioEmbeddings(ModalitySpec):
                 "audio_feature_lengths",
                 "int64",
                 ("clips",),
-                "valid mel frames of each clip (feature_attention_mask.sum(-1)), in prompt order",
+                "valid mel frames of each clip (feature_attention_mask.sum(-1), over all its windows where "
+                "the family cuts clips into windows), in prompt order",
             ),
         )
 
@@ -1227,26 +1236,26 @@ class AudioEmbeddings(ModalitySpec):
             raise ProcessedInputError(
                 "audio", field="audio_feature_lengths", expected="at least one clip", found="0 clips"
             )
-        max_frames = 2 * hf_config.audio_config.max_source_positions
-        for index, length in enumerate(lengths.tolist()):
-            _check_valid_frames("audio_feature_lengths", index, length, max_frames)
-        rows = sum(whisper_output_length(length) for length in lengths.tolist())
-        rule = "((L - 1) // 2 + 1 - 2) // 2 + 1 per clip of L valid frames"
-        _check_embeddings("audio", "audio_embeds", data["audio_embeds"], rows, hf_config, rule)
+        frames = lengths.tolist()  # exact integers
+        for index, length in enumerate(frames):
+            self.features.check_clip_frames("audio_feature_lengths", index, length, hf_config)
+        rows = sum(self.features.output_length(length) for length in frames)
+        rule = f"{getattr(self.features.output_length, '__name__', 'the encoder rule')}(L) per clip of L valid frames"
+        check_embeddings("audio", "audio_embeds", data["audio_embeds"], rows, hf_config, rule)
 
     def fields_config(self, data: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> Mapping[str, Any]:
         import torch
 
         from mmserve.vllm_seam import MultiModalFieldConfig
 
-        sizes = torch.tensor([whisper_output_length(n) for n in data["audio_feature_lengths"].tolist()])
+        sizes = torch.tensor([self.features.output_length(n) for n in data["audio_feature_lengths"].tolist()])
         return {
             "audio_embeds": MultiModalFieldConfig.flat_from_sizes("audio", sizes),
             "audio_feature_lengths": MultiModalFieldConfig.batched("audio", keep_on_cpu=True),
         }
 
     def expected_tokens(self, item: Mapping[str, torch.Tensor], hf_config: PretrainedConfig) -> int:
-        return whisper_output_length(int(item["audio_feature_lengths"]))
+        return self.features.output_length(int(item["audio_feature_lengths"]))
 
     def describe_item(self, item: Mapping[str, torch.Tensor]) -> str:
         return f"{int(item['audio_feature_lengths'])} valid mel frames"

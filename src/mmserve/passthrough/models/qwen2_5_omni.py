@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mmserve.passthrough.models.qwen2_audio import split_audio
+from mmserve.passthrough.models.qwen2_audio import audio_rows
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -129,7 +129,11 @@ class OmniEmbeddings:
     def _process_audio_input(self, audio_input: Any) -> Any:
         if audio_input["type"] != "audio_embeds":
             return super()._process_audio_input(audio_input)  # type: ignore[misc]
-        return split_audio(self, audio_input["audio_embeds"], audio_input["audio_feature_lengths"])
+        return audio_input["audio_embeds"].split(self._audio_rows(audio_input["audio_feature_lengths"]))
+
+    def _audio_rows(self, lengths: Any) -> list[int]:
+        """Rows of each clip of ``lengths`` valid mel frames: the audio tower's own rule."""
+        return audio_rows(self, lengths)
 
     def _split_vision(self, embeds: Any, grid_thw: Any) -> Any:
         merge = self.visual.spatial_merge_size  # type: ignore[attr-defined]

@@ -1,10 +1,13 @@
-"""Qwen3-Omni's fix of vLLM 0.32's thinker for a video with its audio track under chunked prefill, and
-vLLM's own layout of such a video (which the pass-through checks prompts against)."""
+"""Qwen3-Omni's fixes of vLLM 0.32's thinker: a video with its audio track under chunked prefill, the
+encoders' outputs in place of the features; and vLLM's own layout of such a video (which the
+pass-through checks prompts against)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from mmserve.passthrough.models.qwen2_5_omni import OmniEmbeddings
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +49,19 @@ class Qwen3OmniAudioInVideo:
             return super().embed_input_ids(  # type: ignore[misc]
                 input_ids, multimodal_embeddings, is_multimodal=is_multimodal
             )
+
+
+class Qwen3OmniEmbeddings(OmniEmbeddings):
+    """Qwen3-Omni's thinker fed the encoders' outputs (encoder offload): as Qwen2.5-Omni's, vLLM 0.32
+    takes its ``image_embeds`` and ``video_embeds`` (the tower's rows with their DeepStack levels
+    beside them, which its ``embed_input_ids`` splits) in one tensor for all items, and has no
+    ``audio_embeds``. Its audio tower has no method for its count rule: the family's
+    (``qwen3_omni_output_length``, 13 rows per 100 frames). Ends with ``OmniEmbeddings``."""
+
+    def _audio_rows(self, lengths: Any) -> list[int]:
+        from mmserve.families.qwen import qwen3_omni_output_length
+
+        return [qwen3_omni_output_length(int(n)) for n in lengths.reshape(-1).tolist()]
 
 
 def qwen3_omni_audio_in_video_tokens(

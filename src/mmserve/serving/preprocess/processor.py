@@ -286,6 +286,13 @@ class Preprocessor:
                 f"audio: {clips} clips (audio and audio_pcm together) exceed the limit of "
                 f"{limits.max_audio_clips} per request (max_audio_clips)"
             )
+        for modality, count in (("image", len(images)), ("audio", clips), ("video", len(videos))):
+            spec = self.family.modality(modality)
+            if spec is not None and spec.max_items is not None and count > spec.max_items:
+                raise PreprocessError(
+                    f"{modality}: {count} items; the {self.family.name} model's processor takes at most "
+                    f"{spec.max_items} per prompt"
+                )
         text_bytes = _byte_size("text_input", text)
         total = text_bytes + sum(_byte_size(f"image[{i}]", item) for i, item in enumerate(images))
         total += 0 if messages is None else _byte_size("messages", messages)
@@ -338,7 +345,7 @@ class Preprocessor:
     def _run_processor(
         self, prompt: str, images: Sequence[Image], clips: Sequence[np.ndarray], videos: Sequence[Video] = ()
     ) -> Mapping[str, Any]:
-        kwargs: dict[str, Any] = {"text": [prompt], "return_tensors": "np"}
+        kwargs: dict[str, Any] = {"text": [prompt], "return_tensors": self.family.processor_tensors}
         if (
             not (images or clips or videos)
             and self._tokenizer_for_text
