@@ -231,6 +231,15 @@ class Settings(LoadSettings):
     caches: str = "shipped"  # "shipped": model.json as users run it; "off": BENCH_ENGINE_ARGS over it
     stream: bool = True
     stream_flush_ms: float | None = None  # mm_llm's parameter; None: as shipped
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters (name, folder) every system serves; request ``seed`` goes to the base model when
+    ``seed % (adapters + 1)`` is 0, else to that adapter (``lora_of``)."""
+
+    def lora_of(self, seed: int) -> str | None:
+        if not self.lora_modules:
+            return None
+        turn = seed % (len(self.lora_modules) + 1)
+        return None if turn == 0 else self.lora_modules[turn - 1][0]
 
     @property
     def same_requests(self) -> bool:
@@ -310,6 +319,15 @@ def argument_parser() -> argparse.ArgumentParser:
         f"({json.dumps(BENCH_ENGINE_ARGS)}); the checkpoint: $MMSERVE_MODEL",
     )
     parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) every system serves, the requests spread over the base model "
+        "and them in turn (mm_llm: multi_lora.json and lora_name; vllm serve and the gateway: "
+        "--lora-modules and model=NAME); LoRA's engine arguments follow (max_loras: their number)",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         help="folder for BENCHMARKS.md and benchmarks/ (default: docs/; with --quick a new temporary folder)",
@@ -334,6 +352,12 @@ def parse_settings(argv: Sequence[str]) -> Settings:
 
     from mmserve.inputs import family_of_checkpoint
 
+    lora_modules = tuple(tuple(module.split("=", 1)) for module in args.lora_modules)
+    if any(len(module) != 2 for module in lora_modules):
+        parser.error("--lora-modules: expected NAME=PATH items")
+    if lora_modules and set(args.systems) - {ENSEMBLE, GATEWAY, VLLM_SERVE}:
+        parser.error(f"--lora-modules: for the systems {ENSEMBLE}, {GATEWAY} and {VLLM_SERVE} only")
+    overrides = {**lora_engine_args(lora_modules), **overrides}
     engine_args, gpu = engine_arguments(overrides, args.systems, caches_off=args.caches == "off")
     takes = {spec.modality for spec in family_of_checkpoint(engine_args["model"]).modalities}
     usable = [
@@ -370,7 +394,18 @@ def parse_settings(argv: Sequence[str]) -> Settings:
         caches=args.caches,
         stream=args.stream,
         stream_flush_ms=args.stream_flush_ms,
+        lora_modules=lora_modules,
     )
+
+
+def lora_engine_args(modules: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """vLLM's LoRA engine arguments for ``modules``: every adapter in one step (``max_loras``), slots
+    of the largest rank."""
+    if not modules:
+        return {}
+    ranks = [json.loads((Path(path) / "adapter_config.json").read_text())["r"] for _, path in modules]
+    rank = next(r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= max(ranks))
+    return {"enable_lora": True, "max_loras": len(modules), "max_lora_rank": rank}
 
 
 def engine_arguments(
@@ -403,6 +438,7 @@ class Request:
     images: tuple[bytes, ...] = ()  # PNG files
     audios: tuple[bytes, ...] = ()  # WAV files
     videos: tuple[bytes, ...] = ()  # MOV files (PNG frames: every decoder gets the same pixels)
+    lora: str | None = None  # the LoRA adapter that answers (``Settings.lora_of``)
 
     @property
     def media_bytes(self) -> int:
@@ -421,6 +457,7 @@ def make_request(workload: str, seed: int, settings: Settings) -> Request:
         images=tuple(encode_image(sample_image(seed * 8 + k, size=size)) for k in range(images)),
         audios=tuple(encode_audio(sample_audio(seed * 8 + k, seconds=settings.audio_seconds)) for k in range(audios)),
         videos=tuple(encode_video(sample_video(seed * 8 + k, frames=VIDEO_FRAMES, size=size)) for k in range(videos)),
+        lora=settings.lora_of(seed),
     )
 
 
@@ -603,7 +640,7 @@ class TritonSystem(System):
         stream: bool = True,
     ) -> None:
         super().__init__(name)
-        self.client, self.model, self.tensors = client, model, tensors
+        self.client, self.model, self.tensors, self.sampling = client, model, tensors, dict(sampling)
         self.flags = {
             "stream": np.array([stream]),
             "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=np.object_),
@@ -612,7 +649,11 @@ class TritonSystem(System):
     async def tokens(self, request: Request) -> TokenStream:
         from mmserve.client import ClientError, grpc_inputs
 
-        inputs = grpc_inputs({**await self.tensors(request), **self.flags})
+        flags = self.flags
+        if request.lora is not None:  # mm_llm's multi_lora.json name
+            sampling = json.dumps({**self.sampling, "lora_name": request.lora}).encode()
+            flags = {**flags, "sampling_parameters": np.array([sampling], dtype=np.object_)}
+        inputs = grpc_inputs({**await self.tensors(request), **flags})
 
         async def one_request() -> AsyncIterator[dict[str, Any]]:
             yield {"model_name": self.model, "inputs": inputs, "request_id": f"{self.name}-{request.seed}"}
@@ -682,7 +723,7 @@ class OpenAISystem(System):
 
     async def tokens(self, request: Request) -> TokenStream:
         body = {
-            "model": self.model,
+            "model": request.lora or self.model,  # an adapter by its name, as vllm serve serves it
             "messages": [{"role": "user", "content": chat_content(request)}],
             "stream": self.stream,
             "return_token_ids": True,
@@ -774,24 +815,34 @@ class Engines:
     logs: list[Path] = field(default_factory=list)
 
 
-def start_gateway(triton: TritonServer, stack: contextlib.ExitStack) -> tuple[subprocess.Popen[bytes], int]:
+def start_gateway(
+    triton: TritonServer, stack: contextlib.ExitStack, lora_modules: Sequence[str] = ()
+) -> tuple[subprocess.Popen[bytes], int]:
     """``python -m mmserve.gateway`` in front of ``triton`` (as ``scripts/serve.sh`` runs it)."""
     from mmserve_dev.triton import free_ports
     from mmserve_dev.triton.__main__ import start_gateway as start
     from mmserve_dev.triton.__main__ import stop_gateway
 
     port = free_ports(1)[0]
-    gateway = start(triton, "127.0.0.1", port)
+    gateway = start(triton, "127.0.0.1", port, extra_args=["--lora-modules", *lora_modules] if lora_modules else ())
     stack.callback(stop_gateway, gateway)
     return gateway, port
 
 
-def triton_repository(engine_args: Mapping[str, Any], folder: Path, stream_flush_ms: float | None = None) -> Path:
+def triton_repository(
+    engine_args: Mapping[str, Any],
+    folder: Path,
+    stream_flush_ms: float | None = None,
+    lora_modules: Sequence[tuple[str, str]] = (),
+) -> Path:
     """A copy of model_repository/ whose mm_llm/model.json holds ``engine_args`` (and whose mm_llm
-    config sets ``stream_flush_ms``, unless None: the shipped value)."""
+    config sets ``stream_flush_ms``, unless None: the shipped value; whose multi_lora.json names
+    ``lora_modules``)."""
     repo = folder / "model_repository"
     shutil.copytree(ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
     (repo / "mm_llm" / "model.json").write_text(json.dumps(engine_args, indent=2) + "\n")
+    if lora_modules:
+        (repo / "mm_llm" / "multi_lora.json").write_text(json.dumps(dict(lora_modules), indent=2) + "\n")
     if stream_flush_ms is not None:
         config = repo / "mm_llm" / "config.pbtxt"
         text, found = re.subn(
@@ -809,7 +860,7 @@ def start_triton(settings: Settings, folder: Path, stack: contextlib.ExitStack) 
 
     models = sorted({m for s in settings.systems for m in TRITON_MODELS.get(s, ())})
     server = TritonServer(
-        triton_repository(settings.engine_args, folder, settings.stream_flush_ms),
+        triton_repository(settings.engine_args, folder, settings.stream_flush_ms, settings.lora_modules),
         load_models=models,
         env={"MMSERVE_MODEL": settings.model},
         shm_default_byte_size=32 * 2**20,
@@ -843,7 +894,13 @@ def start_engines(settings: Settings, stack: contextlib.ExitStack) -> Engines:
     stack.callback(shutil.rmtree, folder / "model_repository", ignore_errors=True)  # the logs stay
     engines = Engines()
     if VLLM_SERVE in settings.systems or RENDER in settings.systems:
-        engines.vllm = VllmServer(settings.engine_args, folder / "vllm-serve.log", scale_out=RENDER in settings.systems)
+        lora = ["--lora-modules", *(f"{name}={path}" for name, path in settings.lora_modules)]
+        engines.vllm = VllmServer(
+            settings.engine_args,
+            folder / "vllm-serve.log",
+            scale_out=RENDER in settings.systems,
+            flags=lora if settings.lora_modules else (),
+        )
         stack.callback(engines.vllm.stop)
         engines.vllm.launch()
         engines.logs.append(engines.vllm.log_path)
@@ -866,7 +923,8 @@ def start_engines(settings: Settings, stack: contextlib.ExitStack) -> Engines:
         if engines.triton.log_path is not None:
             engines.logs.append(engines.triton.log_path)
         if GATEWAY in settings.systems:
-            engines.gateway, engines.gateway_port = start_gateway(engines.triton, stack)
+            names = [name for name, _ in settings.lora_modules]
+            engines.gateway, engines.gateway_port = start_gateway(engines.triton, stack, names)
     if engines.vllm is not None:
         engines.vllm.wait_ready()
     if engines.render is not None:

@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--lora-name", help="the LoRA adapter that answers (a name of mm_llm's multi_lora.json)")
     parser.add_argument(
         "--no-chat-template",
         dest="chat_template",
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             top_p=args.top_p,
             top_k=args.top_k,
             seed=args.seed,
+            lora_name=args.lora_name,
             apply_chat_template=args.chat_template,
         )
         if args.video:

@@ -136,3 +136,25 @@ def test_a_system_failing_in_its_warm_up_gets_no_runs(peers: Any, tmp_path: Path
     assert f"| 4 | {peers.VLLM_SERVE} | failed |" in table
     assert "the warm-up" in report.check() and not report.ok
     assert "| 4 | mm_ensemble |" in table and "–" in table  # no ratio to a system that has none
+
+
+def test_lora_modules_spread_the_requests_and_reach_every_system(peers: Any, tmp_path: Path):
+    """``--lora-modules``: the requests take the base model and each adapter in turn; mm_llm gets them
+    in ``multi_lora.json`` (and each request its ``lora_name``), the engines LoRA's arguments sized
+    for them (every adapter in a step, the largest rank's slots)."""
+    import dataclasses
+    import json
+
+    adapters = []
+    for name, rank in (("a", 8), ("b", 12)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank}))
+        adapters.append((name, str(folder)))
+    assert peers.lora_engine_args(adapters) == {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
+    assert peers.lora_engine_args([]) == {}
+    lora = dataclasses.replace(settings(peers, tmp_path), lora_modules=tuple(adapters))
+    assert [peers.make_request("text", seed, lora).lora for seed in range(6)] == [None, "a", "b", None, "a", "b"]
+    assert peers.make_request("text", 1, settings(peers, tmp_path)).lora is None
+    repository = peers.triton_repository({"model": "m"}, tmp_path / "run", None, lora.lora_modules)
+    assert json.loads((repository / "mm_llm" / "multi_lora.json").read_text()) == dict(adapters)

@@ -1843,3 +1843,30 @@ def test_tool_calls_through_the_app_streamed_and_not(gateway):
     refused = gateway(FakeBackend([]), tool_call_parser="none")
     answer = refused.post("/v1/chat/completions", json=request)
     assert answer.status_code == 400 and "--tool-call-parser none" in answer.json()["error"]["message"]
+
+
+def test_a_lora_adapter_is_a_model(gateway):
+    """``--lora-modules``: ``model=<adapter>`` reaches mm_llm as ``lora_name`` in every choice's
+    ``sampling_parameters`` (the base model's name: none), ``/v1/models`` lists each adapter with the
+    base as its parent (as ``vllm serve``), an unknown model is a 404 that lists them; the command
+    line takes vLLM's ``NAME=PATH`` form too."""
+    from mmserve.gateway.__main__ import config_from_args
+
+    backend = FakeBackend([Delta("Hi", [1], "length", 20, 1, None)])
+    client = gateway(backend, lora_modules=("sql", "chat"))
+    listed = client.get("/v1/models").json()["data"]
+    assert [(card["id"], card.get("parent")) for card in listed] == [
+        ("mm_ensemble", None),
+        ("sql", "mm_ensemble"),
+        ("chat", "mm_ensemble"),
+    ]
+    assert client.get("/v1/models/sql").json()["parent"] == "mm_ensemble"
+    openai_client = sdk(client)
+    openai_client.chat.completions.create(model="sql", messages=[user("Hi")], max_tokens=1, n=2, seed=1)
+    openai_client.chat.completions.create(model="mm_ensemble", messages=[user("Hi")], max_tokens=1)
+    sent = [json.loads(request["sampling_parameters"][0]) for request in backend.requests]
+    assert [params.get("lora_name") for params in sent] == ["sql", "sql", None]
+    reply = client.post("/v1/chat/completions", json={"model": "nope", "messages": [user("Hi")]})
+    assert reply.status_code == 404 and "and its LoRA adapters ['sql', 'chat']" in reply.json()["error"]["message"]
+    config, _ = config_from_args(["--lora-modules", "sql=/adapters/sql", "chat", "sql"])
+    assert config.lora_modules == ("sql", "chat")

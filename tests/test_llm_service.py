@@ -222,8 +222,8 @@ def test_a_stream_gets_at_most_one_response_per_flush_interval(service, omni_wor
     taken: collections.Counter[str] = collections.Counter()
     stream = service.runner.stream
 
-    async def counted(prompt, params, request_id=None):
-        async for output in stream(prompt, params, request_id):
+    async def counted(prompt, params, request_id=None, **kwargs):
+        async for output in stream(prompt, params, request_id, **kwargs):
             taken[request_id] += 1
             yield output
 

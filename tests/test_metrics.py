@@ -170,3 +170,28 @@ def _wait(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def test_per_adapter_metrics_count_requests_and_follow_the_schedulers_gauges():
+    """With LoRA adapters: each request that names one counts once (on the metrics' thread), and the
+    scheduler's running and waiting requests per adapter set its gauges, only when they change (an
+    adapter the step does not mention is at 0)."""
+    metrics = TritonMetrics(_pb_utils(), {"model": "mm_llm", "version": "1"}, interval_s=0.0, adapters=("a", "b"))
+    metrics.adapter_request("a")
+    metrics.adapter_request("a")
+    metrics.adapter_request("unknown")  # not an adapter of the model (refused before): not counted
+    for step in (
+        StepStats(running=2, waiting=1, lora_running={"a": 2}, lora_waiting={"b": 1}),
+        StepStats(running=2, waiting=1, lora_running={"a": 2}, lora_waiting={"b": 1}),
+        StepStats(running=0, waiting=0, lora_running={}, lora_waiting={}),
+    ):
+        metrics.post(step)
+        time.sleep(0.05)
+    metrics.close()
+    assert _calls("mmserve:lora_requests_total") == [("increment", 1), ("increment", 1)]
+    # two metrics (a, b) per family: the first step sets both, the repeat nothing, the last both
+    assert _calls("vllm:lora_requests_running") == [("set", 2), ("set", 0), ("set", 0), ("set", 0)]
+    assert _calls("vllm:lora_requests_waiting") == [("set", 0), ("set", 1), ("set", 0), ("set", 0)]
+    plain = TritonMetrics(_pb_utils(), {"model": "mm_llm", "version": "1"})
+    assert not any(name.startswith(("mmserve:lora", "vllm:lora")) for name in _Family.created)
+    plain.close()

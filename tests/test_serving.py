@@ -565,7 +565,7 @@ class _LoopRunner(_StubRunner):
 
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    async def stream(self, prompt, params, request_id):
+    async def stream(self, prompt, params, request_id, lora_request=None):
         import asyncio
 
         await asyncio.Event().wait()
@@ -624,7 +624,7 @@ def test_requests_stopped_before_they_ran_get_one_final_response(tiny_models):
 class _EndingRunner(_LoopRunner):
     """A stand-in runner whose streams end at once, unfinished (as an aborted vLLM request)."""
 
-    async def stream(self, prompt, params, request_id):
+    async def stream(self, prompt, params, request_id, lora_request=None):
         return
         yield  # an async generator that ends before its first output
 

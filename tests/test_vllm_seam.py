@@ -20,6 +20,7 @@ PUBLIC = {
     "vllm": {"AsyncEngineArgs", "LLM", "ModelRegistry", "RequestOutput", "SamplingParams", "TokensPrompt"},
     "vllm.engine.arg_utils": {"AsyncEngineArgs"},
     "vllm.outputs": {"RequestOutput"},
+    "vllm.lora.request": {"LoRARequest"},  # what vLLM's LoRA docs import
     "vllm.sampling_params": {"RequestOutputKind", "SamplingParams", "StructuredOutputsParams"},
     # the exceptions vLLM raises at its API for invalid requests
     "vllm.exceptions": {"VLLMClientError", "VLLMValidationError"},

@@ -110,13 +110,18 @@ def processed(family_name: str, request: Request) -> dict[str, Any]:
     return processed_prompt(get_family(family_name), request.hf_inputs["input_ids"], request.hf_inputs)
 
 
-async def run_concurrently(engine, prompts: list[dict[str, Any]], *, stagger_s: float) -> list[list[int]]:
-    """Submit ``prompts`` with staggered arrivals (later ones prefill while earlier ones decode)."""
+async def run_concurrently(
+    engine, prompts: list[dict[str, Any]], *, stagger_s: float, lora_requests: list[Any] | None = None
+) -> list[list[int]]:
+    """Submit ``prompts`` with staggered arrivals (later ones prefill while earlier ones decode);
+    ``lora_requests``: each prompt's adapter (None: the base model)."""
     import asyncio
+
+    adapters = lora_requests or [None] * len(prompts)
 
     async def one(index: int, prompt: dict[str, Any]) -> list[int]:
         await asyncio.sleep(index * stagger_s)
-        output = await engine.generate(prompt, greedy())
+        output = await engine.generate(prompt, greedy(), lora_request=adapters[index])
         return list(output.outputs[0].token_ids)
 
     return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 
 from mmserve import vllm_seam
@@ -139,28 +140,45 @@ class EngineRunner:
         return await vllm_seam.render_prompt(self.engine, prompt)
 
     async def stream(
-        self, prompt: dict[str, Any], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: dict[str, Any],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's output stream for one request (call on the loop)."""
+        """The engine's output stream for one request (call on the loop); ``lora_request``: the
+        adapter that answers (None: the base model)."""
         engine_input = await self.render(prompt)
-        async for output in self.engine.generate(engine_input, params, request_id or self.new_request_id()):
+        request_id = request_id or self.new_request_id()
+        async for output in self.engine.generate(engine_input, params, request_id, lora_request=lora_request):
             yield output
 
     async def generate(
-        self, prompt: dict[str, Any], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: dict[str, Any],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
         """Run one request to completion (call on the loop); returns the final output."""
         final: RequestOutput | None = None
-        async for output in self.stream(prompt, params, request_id):
+        async for output in self.stream(prompt, params, request_id, lora_request=lora_request):
             final = output
         assert final is not None and final.finished
         return final
 
     def generate_sync(
-        self, prompt: dict[str, Any], params: SamplingParams, timeout: float | None = None
+        self,
+        prompt: dict[str, Any],
+        params: SamplingParams,
+        timeout: float | None = None,
+        *,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
         """Blocking ``generate`` from any thread other than the loop's."""
-        return self.submit(self.generate(prompt, params)).result(timeout)
+        return self.submit(self.generate(prompt, params, lora_request=lora_request)).result(timeout)
 
     def shutdown(self, timeout: float = 60.0) -> None:
         """Stop the engine (its core process included) and the loop thread; idempotent. Core

@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import importlib
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mmserve.errors import ProcessedInputError
@@ -125,6 +125,29 @@ def check_vllm_version(installed: str | None = None) -> None:
 
 _SIGNATURES: dict[tuple[str, str, str | None], tuple[str, ...]] = {
     # what the hooks override or call: (module, object, attribute) -> its parameter names
+    ("vllm.lora.ops.torch_ops.lora_ops", "bgmv_shrink", None): (
+        "inputs",
+        "lora_b_weights",
+        "output_tensor",
+        "lora_indices_tensor",
+        "scaling",
+    ),
+    ("vllm.lora.ops.torch_ops.lora_ops", "bgmv_expand", None): (
+        "inputs",
+        "lora_b_weights",
+        "output_tensor",
+        "lora_indices_tensor",
+        "add_inputs",
+    ),
+    ("vllm.lora.ops.torch_ops.lora_ops", "bgmv_expand_slice", None): (
+        "inputs",
+        "lora_b_weights",
+        "output_tensor",
+        "lora_indices_tensor",
+        "slice_offset",
+        "slice_size",
+        "add_inputs",
+    ),
     ("vllm.multimodal.processing", "BaseProcessingInfo", "parse_mm_data"): ("self", "mm_data", "validate"),
     ("vllm.multimodal.processing", "BaseProcessingInfo", "validate_num_items"): ("self", "modality", "num_items"),
     ("vllm.multimodal.processing", "BaseProcessingInfo", "get_hf_config"): ("self",),
@@ -302,6 +325,53 @@ def replaced(module: str, name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(target, name, before)
+
+
+LORA_TORCH_OPS = "vllm.lora.ops.torch_ops.lora_ops"
+"""The PyTorch LoRA ops (the CPU platform's punica kernels), which ``skip_no_lora_rows`` fixes."""
+PUNICA_CPU = "vllm.lora.punica_wrapper.punica_cpu"
+
+
+def skip_no_lora_rows(op: Callable[..., Any]) -> Callable[..., Any]:
+    """One of vLLM 0.32's PyTorch LoRA ops (``bgmv_shrink``, ``bgmv_expand``, ``bgmv_expand_slice``: the
+    CPU platform's, which its ``sgmv_*`` prefill ops call) that leaves the rows of tokens without an
+    adapter (index -1) as they were, as the GPU's Triton kernels do. The stock op gathers the weights
+    of index -1, the last adapter slot: a base-model request batched beside an adapter's got that
+    adapter's delta (``tests/test_lora.py``: its greedy tokens changed from the first one).
+    Upstream: vllm-project/vllm#48421 and #49656 (open); ends with the release that merges one (run
+    ``test_adapters_and_the_base_model_in_flight_together`` without ``fix_cpu_lora_ops``)."""
+
+    @functools.wraps(op)
+    def op_without_no_lora_rows(inputs: Any, weights: Any, output: Any, indices: Any, *args: Any, **kwargs: Any) -> Any:
+        idle = indices < 0
+        if not bool(idle.any()):
+            return op(inputs, weights, output, indices, *args, **kwargs)
+        rows = idle.nonzero(as_tuple=True)[0]
+        rows = rows[rows < output.shape[0]]
+        kept = output[rows].clone()
+        result = op(inputs, weights, output, indices.clamp(min=0), *args, **kwargs)
+        output[rows] = kept
+        return result
+
+    op_without_no_lora_rows.__mmserve_fix__ = True  # type: ignore[attr-defined]
+    return op_without_no_lora_rows
+
+
+def fix_cpu_lora_ops(*, force: bool = False) -> None:
+    """On the CPU platform, ``skip_no_lora_rows`` in place of the PyTorch LoRA ops, where vLLM's code
+    looks them up (the ops' module for its ``sgmv_*``, the CPU punica wrapper's imports); idempotent.
+    In every vLLM process (``mmserve.passthrough.register``); ``force``: on any platform (tests)."""
+    from vllm.platforms import current_platform
+
+    if not (force or current_platform.is_cpu()):
+        return
+    ops = importlib.import_module(LORA_TORCH_OPS)
+    punica = importlib.import_module(PUNICA_CPU)
+    for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
+        stock = getattr(ops, name)
+        fixed = stock if getattr(stock, "__mmserve_fix__", False) else skip_no_lora_rows(stock)
+        setattr(ops, name, fixed)
+        setattr(punica, name, fixed)
 
 
 def seam_problems() -> list[str]:

@@ -75,6 +75,7 @@ class TritonPythonModel:
             pb_utils,
             {"model": args["model_name"], "version": args["model_version"]},
             inter_token_latency=flag(params, "report_inter_token_latency"),
+            adapters=tuple(config.adapters.by_name),
         )
         stat_logger = functools.partial(TritonStatLogger, metrics=self.metrics, on_record=self._progress)
         flush_ms = float(params.get("stream_flush_ms", STREAM_FLUSH_MS))
@@ -139,10 +140,13 @@ class TritonPythonModel:
                     vocab_size=self.service.vocab_size,
                     max_model_len=self.service.max_model_len,
                     wire_decoders=self.service.wire_decoders,
+                    adapters=self.service.adapters,
                 )
             except Exception as exc:  # noqa: BLE001 - every failure is answered (triton_error scrubs it)
                 sink.send_error(exc)
                 continue
+            if parsed.lora_request is not None:
+                self.metrics.adapter_request(parsed.lora_request.lora_name)
             # Triton request ids need not be unique; the engine's must be.
             request_id = self.service.runner.new_request_id(client_id or "triton")
             self.service.submit(parsed, sink, request_id, owner=owner)

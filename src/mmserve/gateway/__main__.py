@@ -61,6 +61,14 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, 
         help="the name clients pass as `model` and /v1/models lists (default: --model-name)",
     )
     parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="LoRA adapters of mm_llm's multi_lora.json that clients may name as `model` (vllm serve's "
+        "--lora-modules; a NAME=PATH is taken as NAME: mm_llm loads the adapters)",
+    )
+    parser.add_argument(
         "--allow-remote-media",
         action="store_true",
         help="fetch http(s) image and audio URLs from public hosts (off: data: URLs only)",
@@ -160,6 +168,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, 
         limit_mm_per_prompt={**defaults.limit_mm_per_prompt, **(args.limit_mm_per_prompt or {})},
         media_fetches_in_flight=args.media_fetches_in_flight,
         api_keys=tuple(keys),
+        lora_modules=tuple(dict.fromkeys(module.split("=", 1)[0] for module in args.lora_modules)),
     )
     return config, args
 

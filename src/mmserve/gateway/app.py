@@ -75,6 +75,10 @@ class GatewayConfig:
     tool_call_parser: str = "hermes"
     """How ``tool_choice: "auto"`` reads calls in the text (``mmserve.gateway.tools``); ``none``
     refuses ``auto``, as ``vllm serve`` without ``--enable-auto-tool-choice``."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters of ``mm_llm``'s ``multi_lora.json`` that clients name as ``model`` (``vllm serve
+    --lora-modules``): such a request is answered by that adapter (``sampling_parameters``'
+    ``lora_name``); ``/v1/models`` lists each with the base model as its ``parent``."""
 
     @property
     def name(self) -> str:
@@ -137,15 +141,20 @@ def create_app(config: GatewayConfig, backend: Any = None) -> FastAPI:
             return JSONResponse(exc.body(), status_code=exc.status)
         return JSONResponse({"status": "ok", "model": config.model})
 
-    def model_card() -> dict[str, Any]:
-        return {"id": config.name, "object": "model", "created": created, "owned_by": "mmserve"}
+    def model_card(adapter: str | None = None) -> dict[str, Any]:
+        card = {"id": adapter or config.name, "object": "model", "created": created, "owned_by": "mmserve"}
+        if adapter is not None:  # as vllm serve lists an adapter: its base model as parent
+            card.update(root=adapter, parent=config.name)
+        return card
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *(model_card(name) for name in config.lora_modules)]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> Response:
+        if model in config.lora_modules:
+            return JSONResponse(model_card(model))
         if model not in (config.name, config.model):
             return JSONResponse(_model_not_found(model, config).body(), status_code=404)
         return JSONResponse(model_card())
@@ -204,9 +213,10 @@ class AuthenticationMiddleware:
 
 
 def _model_not_found(model: str, config: GatewayConfig) -> APIError:
+    adapters = f" and its LoRA adapters {list(config.lora_modules)}" if config.lora_modules else ""
     return APIError(
         404,
-        f"the model {model!r} does not exist; this server serves {config.name!r}",
+        f"the model {model!r} does not exist; this server serves {config.name!r}{adapters}",
         param="model",
         code="model_not_found",
     )
@@ -269,7 +279,8 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 async def _chat(request: Request, config: GatewayConfig, backend: Any, fetcher: MediaFetcher | None) -> Response:
     chat = parse_request(await _read_json(request, config.max_request_bytes))
-    if chat.model not in (config.name, config.model):
+    lora_name = chat.model if chat.model in config.lora_modules else None
+    if lora_name is None and chat.model not in (config.name, config.model):
         raise _model_not_found(chat.model, config)
     if tools.mode_of(chat) == "auto" and config.tool_call_parser == "none":
         raise invalid(
@@ -285,7 +296,7 @@ async def _chat(request: Request, config: GatewayConfig, backend: Any, fetcher: 
     )
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     answer = _Answer(chat, completion_id, config.name)
-    choices = request_tensors(chat, conv)
+    choices = request_tensors(chat, conv, lora_name=lora_name)
     ids = [completion_id] if len(choices) == 1 else [f"{completion_id}-{index}" for index in range(len(choices))]
     deltas = _merged([backend.generate(tensors, request_id) for tensors, request_id in zip(choices, ids, strict=True)])
     try:

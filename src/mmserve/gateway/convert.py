@@ -246,11 +246,15 @@ async def conversation(
     return out
 
 
-def sampling_parameters(request: ChatCompletionRequest, choice: int = 0) -> dict[str, Any]:
+def sampling_parameters(
+    request: ChatCompletionRequest, choice: int = 0, *, lora_name: str | None = None
+) -> dict[str, Any]:
     """mm_llm's ``sampling_parameters`` (vLLM ``SamplingParams`` names) of the request's choice
     ``choice`` (``n`` > 1: one request per choice, seeded ``seed + choice`` as vLLM seeds the
-    parallel samples of one request)."""
+    parallel samples of one request); ``lora_name``: the adapter the request's ``model`` names."""
     params: dict[str, Any] = {}
+    if lora_name is not None:
+        params["lora_name"] = lora_name
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     params["max_tokens"] = max_tokens  # None (JSON null): up to the context length; mm_llm's default is 16
     for name in (
@@ -294,20 +298,27 @@ def sampling_parameters(request: ChatCompletionRequest, choice: int = 0) -> dict
     return params
 
 
-def request_tensors(request: ChatCompletionRequest, conv: Conversation) -> list[dict[str, np.ndarray]]:
+def request_tensors(
+    request: ChatCompletionRequest, conv: Conversation, *, lora_name: str | None = None
+) -> list[dict[str, np.ndarray]]:
     """The named tensors (``mmserve.wire`` names) of the Triton request of each of the request's
-    ``n`` choices: the same but for their ``sampling_parameters`` (the seed)."""
-    first = _request_tensors(request, conv)
+    ``n`` choices: the same but for their ``sampling_parameters`` (the seed). ``lora_name``: the
+    LoRA adapter that answers (mm_llm's ``multi_lora.json`` name), None: the base model."""
+    first = _request_tensors(request, conv, lora_name)
     return [first] + [
-        {**first, "sampling_parameters": _sampling_tensor(request, choice)} for choice in range(1, request.n or 1)
+        {**first, "sampling_parameters": _sampling_tensor(request, choice, lora_name)}
+        for choice in range(1, request.n or 1)
     ]
 
 
-def _sampling_tensor(request: ChatCompletionRequest, choice: int) -> np.ndarray:
-    return np.array([json.dumps(sampling_parameters(request, choice)).encode()], dtype=np.object_)
+def _sampling_tensor(request: ChatCompletionRequest, choice: int, lora_name: str | None) -> np.ndarray:
+    params = sampling_parameters(request, choice, lora_name=lora_name)
+    return np.array([json.dumps(params).encode()], dtype=np.object_)
 
 
-def _request_tensors(request: ChatCompletionRequest, conv: Conversation) -> dict[str, np.ndarray]:
+def _request_tensors(
+    request: ChatCompletionRequest, conv: Conversation, lora_name: str | None
+) -> dict[str, np.ndarray]:
 
     def flag(value: bool) -> np.ndarray:
         return np.array([value], dtype=bool)
@@ -315,7 +326,7 @@ def _request_tensors(request: ChatCompletionRequest, conv: Conversation) -> dict
     tensors = {
         "messages": np.array([json.dumps(conv.messages, ensure_ascii=False).encode()], dtype=np.object_),
         "stream": flag(bool(request.stream)),
-        "sampling_parameters": _sampling_tensor(request, 0),
+        "sampling_parameters": _sampling_tensor(request, 0, lora_name),
         "exclude_input_in_output": flag(True),
         "return_finish_reason": flag(True),
     }

@@ -22,5 +22,8 @@ def register() -> None:
     if problem is not None:
         logger.warning(problem)
     register_models()
+    from mmserve.vllm_seam import fix_cpu_lora_ops
+
+    fix_cpu_lora_ops()  # on the CPU platform: its LoRA ops applied an adapter to base-model rows
     if die_with_triton_stub():
         logger.info("this process (pid %d) dies with its Triton stub", os.getpid())

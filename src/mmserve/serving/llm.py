@@ -31,6 +31,7 @@ from mmserve.families import FamilySpec
 from mmserve.families.base import WireDecoder
 from mmserve.inputs import family_of_checkpoint, processed_prompt, read_engine_config
 from mmserve.serving.contract import ENCODED_TENSORS, FEATURE_TENSORS, INPUT_IDS
+from mmserve.serving.lora import AdapterError, Adapters
 from mmserve.serving.outbox import Outbox
 from mmserve.serving.owners import Owner, Owners
 from mmserve.serving.sampling import STRUCTURED_KINDS, ToolCalling, parse_generation_parameters
@@ -80,10 +81,17 @@ class LLMConfig:
     """``model.json``: vLLM engine arguments, ``model`` resolved to a checkpoint directory."""
 
     engine_args: dict[str, Any]
+    adapters: Adapters = field(default_factory=lambda: Adapters({}))
+    """The LoRA adapters served (``multi_lora.json`` beside ``model.json``; none: LoRA off)."""
 
     @classmethod
     def from_file(cls, path: str | Path) -> LLMConfig:
-        return cls(read_engine_config(path))
+        """``model.json`` at ``path``, and its ``multi_lora.json`` where it enables LoRA."""
+        engine_args = read_engine_config(path)
+        adapters = Adapters.from_model_dir(Path(path).parent, engine_args)
+        if adapters.enabled:  # the vLLM backend takes "true" as well
+            engine_args["enable_lora"] = True
+        return cls(engine_args, adapters)
 
     @property
     def model(self) -> str:
@@ -102,6 +110,8 @@ class GenerateRequest:
     """The request's own ``stream_flush_ms`` (``sampling_parameters``); None: the model's."""
     tool_calling: ToolCalling | None = None
     """The request's tools (``sampling_parameters``): the engine's constraint of its calls."""
+    lora_request: Any = None
+    """The adapter that answers (``sampling_parameters``' ``lora_name``): vLLM's ``LoRARequest``; None: the base model."""
 
     @property
     def stream(self) -> bool:
@@ -116,6 +126,7 @@ def parse_request(
     vocab_size: int | None = None,
     max_model_len: int | None = None,
     wire_decoders: Mapping[str, WireDecoder] | None = None,
+    adapters: Adapters | None = None,
 ) -> GenerateRequest:
     """Read one request through ``get(name) -> array | None`` (None: optional input not sent).
 
@@ -123,7 +134,8 @@ def parse_request(
     the model, in the engine process); ``max_model_len`` bounds ``max_tokens`` (as ``vllm serve``
     does: more is refused, not cut to the context length). ``wire_decoders``
     (``FamilySpec.wire_decoders``) turn the family's wire fields (``pixel_values_uint8``) back into
-    its fields; without them those are refused.
+    its fields; without them those are refused. ``adapters``: the LoRA adapters a request may name
+    (``lora_name``); without them a name is refused.
     """
     ids = get(INPUT_IDS.name)
     if ids is None or ids.size == 0:
@@ -177,6 +189,7 @@ def parse_request(
         text_input=first_string(get("text_input"), "text_input"),
         stream_flush_ms=sampling.stream_flush_ms,
         tool_calling=sampling.tool_calling,
+        lora_request=(adapters or Adapters({})).resolve(sampling.lora_name),
     )
 
 
@@ -317,8 +330,16 @@ class LLMService:
         health: HealthConfig | None = None,
         on_failure: Callable[[str], None] | None = None,
         stream_flush_ms: float = STREAM_FLUSH_MS,
+        adapters: Adapters | None = None,
     ) -> None:
         self.runner = runner
+        self.adapters = adapters or Adapters({})
+        for adapter in self.adapters.by_name.values():  # loaded now: vLLM checks each against the model
+            try:
+                runner.submit(runner.engine.add_lora(adapter.request())).result()
+            except Exception as exc:
+                runner.shutdown()
+                raise AdapterError(f"adapter {adapter.name!r} ({adapter.path}): the engine refused it: {exc}") from None
         self.stream_flush_ms = stream_flush_ms
         self.family = family_of_checkpoint(runner.engine_args["model"])
         self.wire_decoders = self.family.wire_decoders(runner.engine_args["model"])
@@ -346,7 +367,8 @@ class LLMService:
         """Start an engine for ``config`` (``stat_loggers``: vLLM stat logger factories; ``kwargs``
         go to ``LLMService``)."""
         engine_args = {k: v for k, v in config.engine_args.items() if k != "model"}
-        return cls(EngineRunner(config.model, stat_loggers=stat_loggers, **engine_args), **kwargs)
+        runner = EngineRunner(config.model, stat_loggers=stat_loggers, **engine_args)
+        return cls(runner, adapters=config.adapters, **kwargs)
 
     # -- state ---------------------------------------------------------------------------------
     def note_progress(self) -> None:
@@ -428,7 +450,9 @@ class LLMService:
                     self.runner.engine, self.family.tool_call_parser, request.sampling_params, request.tool_calling
                 )
             with vllm_seam.holding(hold):
-                async for output in self.runner.stream(request.prompt, request.sampling_params, request_id):
+                async for output in self.runner.stream(
+                    request.prompt, request.sampling_params, request_id, lora_request=request.lora_request
+                ):
                     self._last_progress = hold.until = time.monotonic()
                     if cancelled.is_set():  # the client is gone: nothing more to say
                         break

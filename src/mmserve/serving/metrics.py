@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,17 +53,26 @@ class StepStats:
     e2e_latencies: tuple[float, ...] = ()
     request_tpots: tuple[float, ...] = ()
     """Each finished request's mean time per output token."""
+    lora_running: Mapping[str, int] | None = None
+    """Requests running per LoRA adapter (the scheduler's; None: not in this step's stats)."""
+    lora_waiting: Mapping[str, int] | None = None
+    lora_requests: tuple[str, ...] = ()
+    """The adapter of each request started since the last step (``TritonMetrics.adapter_request``)."""
 
     @classmethod
     def read(cls, scheduler_stats: Any, iteration_stats: Any) -> StepStats:
-        running = waiting = None
+        running = waiting = lora_running = lora_waiting = None
         if scheduler_stats is not None:
             running, waiting = scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs
+            lora_running = dict(scheduler_stats.running_lora_adapters)
+            lora_waiting = dict(scheduler_stats.waiting_lora_adapters)
         if iteration_stats is None:
-            return cls(running, waiting)
+            return cls(running, waiting, lora_running=lora_running, lora_waiting=lora_waiting)
         return cls(
             running,
             waiting,
+            lora_running=lora_running,
+            lora_waiting=lora_waiting,
             prompt_tokens=iteration_stats.prompt_token_stats.total,
             generation_tokens=iteration_stats.num_generation_tokens,
             ttfts=tuple(iteration_stats.time_to_first_tokens_iter),
@@ -79,6 +88,9 @@ class StepStats:
         return cls(
             gauges.running,
             gauges.waiting,
+            lora_running=gauges.lora_running,
+            lora_waiting=gauges.lora_waiting,
+            lora_requests=tuple(name for step in steps for name in step.lora_requests),
             prompt_tokens=sum(step.prompt_tokens for step in steps),
             generation_tokens=sum(step.generation_tokens for step in steps),
             ttfts=tuple(value for step in steps for value in step.ttfts),
@@ -95,6 +107,9 @@ class TritonMetrics:
     Args:
         inter_token_latency: also the per-token histogram ``vllm:time_per_output_token_seconds``
             (one call into tritonserver per generated token).
+        adapters: the LoRA adapters served: per adapter (label ``lora_name``), the requests that
+            named it (``mmserve:lora_requests_total``) and the engine's running and waiting requests
+            on it (``vllm:lora_requests_running``, ``vllm:lora_requests_waiting``).
         interval_s: the shortest time between two updates (the steps posted meanwhile wait, merged).
     """
 
@@ -105,6 +120,7 @@ class TritonMetrics:
         *,
         inter_token_latency: bool = False,
         interval_s: float = UPDATE_INTERVAL_S,
+        adapters: Sequence[str] = (),
     ) -> None:
         self._outbox = Outbox("mmserve-metrics")
         self._steps: list[StepStats] = []  # posted, not yet applied
@@ -120,6 +136,21 @@ class TritonMetrics:
         def metric(name: str, description: str, kind: Any, **kwargs: Any) -> Any:
             self._families.append(family(name=name, description=description, kind=kind))
             return self._families[-1].Metric(labels=labels, **kwargs)
+
+        def per_adapter(name: str, description: str, kind: Any) -> dict[str, Any]:
+            if not adapters:
+                return {}
+            self._families.append(family(name=name, description=description, kind=kind))
+            return {adapter: self._families[-1].Metric(labels={**labels, "lora_name": adapter}) for adapter in adapters}
+
+        self.lora_requests = per_adapter(
+            "mmserve:lora_requests_total", "Requests that named this LoRA adapter.", family.COUNTER
+        )
+        self.lora_running = per_adapter("vllm:lora_requests_running", "Requests running on this adapter.", family.GAUGE)
+        self.lora_waiting = per_adapter(
+            "vllm:lora_requests_waiting", "Requests waiting for this adapter.", family.GAUGE
+        )
+        self._lora_gauges: dict[str, tuple[int, int]] = {}  # adapter -> (running, waiting) as last set
 
         self.prompt_tokens = metric("vllm:prompt_tokens_total", "Number of prefill tokens processed.", family.COUNTER)
         self.generation_tokens = metric(
@@ -156,6 +187,11 @@ class TritonMetrics:
             family.HISTOGRAM,
             buckets=E2E_BUCKETS,
         )
+
+    def adapter_request(self, adapter: str) -> None:
+        """A request named ``adapter`` (counted on the metrics' thread)."""
+        if adapter in self.lora_requests:
+            self.post(StepStats(lora_requests=(adapter,)))
 
     def post(self, stats: StepStats) -> None:
         """Apply ``stats`` on the metrics' thread (returns at once); steps posted while an update is
@@ -200,6 +236,15 @@ class TritonMetrics:
             self.requests_success.increment(len(stats.e2e_latencies))
         for latency in stats.e2e_latencies:
             self.e2e_request_latency.observe(latency)
+        for adapter in stats.lora_requests:
+            self.lora_requests[adapter].increment(1)
+        if stats.lora_running is not None and self.lora_running:
+            for adapter in self.lora_running:
+                counts = (stats.lora_running.get(adapter, 0), (stats.lora_waiting or {}).get(adapter, 0))
+                if self._lora_gauges.get(adapter) != counts:
+                    self.lora_running[adapter].set(counts[0])
+                    self.lora_waiting[adapter].set(counts[1])
+                    self._lora_gauges[adapter] = counts
 
     def close(self) -> None:
         """Apply what is queued, then let the metrics be: never deleted, neither now nor at the
@@ -209,7 +254,10 @@ class TritonMetrics:
 
         self._closing.set()
         self._outbox.close()
-        never_free(*self._families, *(value for name, value in vars(self).items() if not name.startswith("_")))
+        adapters = (m for d in (self.lora_requests, self.lora_running, self.lora_waiting) for m in d.values())
+        never_free(
+            *self._families, *(value for name, value in vars(self).items() if not name.startswith("_")), *adapters
+        )
 
 
 class TritonStatLogger(StatLoggerBase):

@@ -46,6 +46,8 @@ choices together) and on the tools: the engine compiles it for every request."""
 MAX_CHOICES = 256
 MAX_STREAM_FLUSH_MS = 1000.0
 MAX_TOOLS = 128
+MAX_LORA_NAME_CHARS = 256
+"""An adapter's name (``lora_name``): as ``multi_lora.json``'s names are bounded (``mmserve.serving.lora``)."""
 
 Int = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 TokenId = Int
@@ -126,15 +128,18 @@ class SamplingParameters(Struct, forbid_unknown_fields=True):
     tools: Annotated[list[_Tool], Meta(min_length=1, max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | _NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    lora_name: Annotated[str, Meta(min_length=1, max_length=MAX_LORA_NAME_CHARS)] | None = None
 
 
-EXTENSIONS = ("stream_flush_ms", "tools", "tool_choice", "parallel_tool_calls")
+EXTENSIONS = ("stream_flush_ms", "tools", "tool_choice", "parallel_tool_calls", "lora_name")
 """Fields of this server beside vLLM's (not ``SamplingParams`` fields): ``stream_flush_ms``, a
 stream's shortest interval between two responses after its first (``mm_llm``'s parameter of the
 same name is the default; 0: one response per engine output); ``tools``, ``tool_choice``
 (``auto`` when tools are given) and ``parallel_tool_calls``, OpenAI's: the tool calls the output
 is held to, as ``vllm serve --enable-auto-tool-choice --tool-call-parser <the family's>`` holds
-it (``ToolCalling``; the tools reach the chat template through ``preprocess``'s ``tools`` input)."""
+it (``ToolCalling``; the tools reach the chat template through ``preprocess``'s ``tools`` input);
+``lora_name``, the LoRA adapter that answers (one of ``multi_lora.json``'s, as in Triton's vLLM
+backend: ``mmserve.serving.lora``)."""
 
 SUPPORTED = tuple(name for name in SamplingParameters.__struct_fields__ if name not in EXTENSIONS)
 """The ``SamplingParams`` fields a client may set. Every other one (extra_args, output_kind,
@@ -159,6 +164,7 @@ class GenerationParameters:
     params: SamplingParams
     stream_flush_ms: float | None = None
     tool_calling: ToolCalling | None = None
+    lora_name: str | None = None
 
 
 def parse_sampling_parameters(text: str | None, *, stream: bool, logprobs: bool) -> SamplingParams:
@@ -212,7 +218,7 @@ def parse_generation_parameters(text: str | None, *, stream: bool, logprobs: boo
     except Exception as exc:  # last resort: whatever else vLLM raises here is about these values
         raise InputError(f"{PREFIX}{type(exc).__name__}: {exc}") from None
     check_engine_transport(params)
-    return GenerationParameters(params, fields.stream_flush_ms, _tool_calling(fields, raw))
+    return GenerationParameters(params, fields.stream_flush_ms, _tool_calling(fields, raw), fields.lora_name)
 
 
 def _check_values(fields: SamplingParameters, raw: dict[str, Any]) -> None:

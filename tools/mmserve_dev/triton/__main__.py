@@ -36,10 +36,12 @@ GATEWAY_STOP_TIMEOUT_S = 3.0
 """How long the gateway may take to exit after the drain (its streams have ended): then it is killed."""
 
 
-def start_gateway(server: TritonServer, host: str, port: int, api_key: str | None = None) -> subprocess.Popen[bytes]:
+def start_gateway(
+    server: TritonServer, host: str, port: int, api_key: str | None = None, extra_args: Sequence[str] = ()
+) -> subprocess.Popen[bytes]:
     """``python -m mmserve.gateway`` against ``server``, dying with this process; returns once it serves.
     ``api_key``: the key it requires on /v1, passed in its environment (``$MMSERVE_OPENAI_API_KEY``),
-    never on its command line, which other local users can read."""
+    never on its command line, which other local users can read. ``extra_args``: more of its options."""
     cmd = die_with_this_process(
         [
             sys.executable,
@@ -54,6 +56,7 @@ def start_gateway(server: TritonServer, host: str, port: int, api_key: str | Non
             "--log-level",
             "warning",
             *media_limits(server),
+            *extra_args,
         ]
     )
     env = None if api_key is None else {**os.environ, OPENAI_API_KEY.name: api_key}
