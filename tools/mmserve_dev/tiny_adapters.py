@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from mmserve_dev.tiny_models import DEFAULT_ROOT, build_all
 
@@ -25,14 +27,19 @@ ADAPTERS: Mapping[str, int] = {"lora_r8": 8, "lora_r16": 16}
 """Adapter name -> rank: the tests'."""
 BENCH_ADAPTERS: Mapping[str, int] = {**ADAPTERS, "lora_r8_b": 8, "lora_r16_b": 16}
 """Four adapters for ``bench/peers.py --lora-modules`` (``--bench``)."""
-FAMILIES = ("qwen2_5_vl",)
-"""Families with adapters here: their language model's modules are named as the HF model class names
-them for vLLM's loader (``model.language_model.layers.N...``)."""
-TARGETS = r"model\.language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
-"""The modules adapted: every attention and MLP projection of the language model, none of a tower's."""
+_PROJECTIONS = r"\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+LANGUAGE_MODEL = {"qwen2_5_vl": r"model\.language_model", "qwen2_5_omni": r"model"}
+"""Families with adapters here -> their language model's modules in the HF class ``HFReference`` loads
+(``model.language_model.layers.N...``; the Omni thinker alone: ``model.layers.N...``). Every attention
+and MLP projection of it is adapted, none of a tower's."""
+FAMILIES = tuple(LANGUAGE_MODEL)
+SAVED_PREFIX = {"qwen2_5_omni": "thinker."}
+"""Where the family's checkpoint holds the language model beyond that class (the Omni checkpoint's
+``thinker.``): an adapter of the whole model, as users train it, names its modules from there; vLLM
+maps them as it maps the checkpoint's weights."""
 SCALE = 0.05
 """Standard deviation of the A and B entries: large enough to change greedy tokens of the tiny models."""
-VERSION = 1
+VERSION = 2
 """Bump to rebuild every adapter (what ``is_built`` compares)."""
 
 
@@ -48,7 +55,8 @@ def build(family: str, checkpoint: Path, out: Path, *, rank: int, seed: int) -> 
     from mmserve_dev.hf_reference import HFReference
 
     model = HFReference(family, checkpoint).model
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=TARGETS, bias="none")
+    targets = LANGUAGE_MODEL[family] + _PROJECTIONS
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets, bias="none")
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(
         int.from_bytes(hashlib.sha256(f"{seed}:{out.name}".encode()).digest()[:8])
@@ -63,9 +71,47 @@ def build(family: str, checkpoint: Path, out: Path, *, rank: int, seed: int) -> 
     config_path = out / "adapter_config.json"
     written = json.loads(config_path.read_text())
     written["base_model_name_or_path"] = str(Path(checkpoint).resolve())
+    prefix = SAVED_PREFIX.get(family)
+    if prefix is not None:  # the whole model's names: the weights' keys and the target pattern
+        from safetensors.torch import load_file, save_file
+
+        weights = out / "adapter_model.safetensors"
+        base = "base_model.model."
+        tensors = {base + prefix + key[len(base) :]: value for key, value in load_file(str(weights)).items()}
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+        written["target_modules"] = re.escape(prefix) + targets
     config_path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     (out / ".built").write_text(_stamp(checkpoint, rank, seed))
     return out
+
+
+def with_adapter(family: str, model: Any, folder: Path) -> Any:
+    """``model`` (``HFReference(family, ...).model``) with the adapter at ``folder``: the reference
+    for the engine's tokens (``PeftModel``; the whole model's names read back as its own)."""
+    from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    prefix = SAVED_PREFIX.get(family)
+    if prefix is None:
+        return PeftModel.from_pretrained(model, str(folder)).eval()
+    saved = json.loads((Path(folder) / "adapter_config.json").read_text())
+    config = LoraConfig(
+        r=saved["r"],
+        lora_alpha=saved["lora_alpha"],
+        lora_dropout=0.0,
+        target_modules=LANGUAGE_MODEL[family] + _PROJECTIONS,
+        bias="none",
+    )
+    peft_model = get_peft_model(model, config)
+    base = "base_model.model."
+    weights = {
+        key.replace(base + prefix, base, 1): value
+        for key, value in load_file(str(Path(folder) / "adapter_model.safetensors")).items()
+    }
+    unexpected = list(getattr(set_peft_model_state_dict(peft_model, weights), "unexpected_keys", ()))
+    if unexpected:
+        raise ValueError(f"{folder}: keys of no module of the model: {unexpected[:4]}")
+    return peft_model.eval()
 
 
 def _stamp(checkpoint: Path, rank: int, seed: int) -> str:
