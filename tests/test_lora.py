@@ -17,7 +17,7 @@ import pytest
 
 from mmserve_dev.samples import encode_image, sample_image
 
-from utils import ENGINE_ARGS, greedy, run_concurrently
+from utils import greedy, lora_engine, run_concurrently, served_adapters
 
 FAMILY = "qwen2_5_vl"
 CHUNK = 32
@@ -104,27 +104,12 @@ def test_a_requests_adapter_is_one_the_model_serves(tmp_path, adapters):
 # -- on the engine -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, adapters):
-    from mmserve.serving.lora import Adapters
-
-    folder = _model_dir(tmp_path_factory.mktemp("mm_llm"), adapters)
-    return Adapters.from_model_dir(folder, {"enable_lora": True, "max_lora_rank": 16})
+    return served_adapters(tmp_path_factory.mktemp("mm_llm"), adapters)
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_models, served):
-    from mmserve.engine import EngineRunner
-
-    args = {
-        **ENGINE_ARGS,
-        "enable_lora": True,
-        "max_lora_rank": 16,
-        "max_loras": 2,
-        "enable_chunked_prefill": True,
-        "max_num_batched_tokens": CHUNK,
-    }
-    with EngineRunner(str(tiny_models[FAMILY]), **args) as runner:
-        for adapter in served.by_name.values():
-            assert runner.submit(runner.engine.add_lora(adapter.request())).result()
+    with lora_engine(tiny_models[FAMILY], served, CHUNK) as runner:
         yield runner
 
 

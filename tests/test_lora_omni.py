@@ -7,14 +7,13 @@ on one clip, prefilled in steps."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 
 from mmserve_dev.samples import decode_audio, encode_audio, encode_image, sample_audio, sample_image
 
-from utils import ENGINE_ARGS, greedy, run_concurrently
+from utils import greedy, lora_engine, run_concurrently, served_adapters
 
 pytestmark = pytest.mark.engine
 
@@ -37,11 +36,7 @@ def adapters(tiny_models):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, adapters):
-    from mmserve.serving.lora import Adapters
-
-    folder = tmp_path_factory.mktemp("mm_llm")
-    (folder / "multi_lora.json").write_text(json.dumps({name: str(path) for name, path in adapters.items()}))
-    return Adapters.from_model_dir(folder, {"enable_lora": True, "max_lora_rank": 16})
+    return served_adapters(tmp_path_factory.mktemp("mm_llm"), adapters)
 
 
 @pytest.fixture(scope="module")
@@ -78,19 +73,7 @@ def expected(tiny_models, adapters, media):
 
 @pytest.fixture(scope="module")
 def engine(tiny_models, served):
-    from mmserve.engine import EngineRunner
-
-    args = {
-        **ENGINE_ARGS,
-        "enable_lora": True,
-        "max_lora_rank": 16,
-        "max_loras": 2,
-        "enable_chunked_prefill": True,
-        "max_num_batched_tokens": CHUNK,
-    }
-    with EngineRunner(str(tiny_models[FAMILY]), **args) as runner:
-        for adapter in served.by_name.values():
-            assert runner.submit(runner.engine.add_lora(adapter.request())).result()
+    with lora_engine(tiny_models[FAMILY], served, CHUNK) as runner:
         yield runner
 
 

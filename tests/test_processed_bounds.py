@@ -307,3 +307,22 @@ def test_uint64_lengths_are_refused(configs, family):
         "found dtype torch.uint64"
     )
     accepted({**data, "audio_feature_lengths": np.array([128], np.int32)}, family, "audio", configs)
+
+
+def test_embeddings_are_bounded(configs):
+    """An encoder's output sent in place of its input (encoder offload), finite but huge, is refused
+    by the one check every encoded form runs (``base.check_embeddings``); float16's range passes."""
+    grid = torch.tensor([[1, 4, 4]])
+    embeds = torch.zeros(4, 128)
+    embeds[2, 7] = 1e30
+    message = refused({"image_embeds": embeds, "image_grid_thw": grid}, "qwen2_5_vl", "image", configs, encoded=True)
+    assert message == (
+        "image, image_embeds: expected values within [-65504, 65504] (float16's range), "
+        "found 1 value(s) beyond, up to 1e+30 in magnitude"
+    )
+    audio = torch.zeros(1, 128)
+    audio[0, 0] = -1e6
+    data = {"audio_embeds": audio, "audio_feature_lengths": torch.tensor([4])}
+    assert "found 1 value(s) beyond, up to 1e+06" in refused(data, "qwen2_5_omni", "audio", configs, encoded=True)
+    embeds[2, 7] = -65504.0
+    accepted({"image_embeds": embeds, "image_grid_thw": grid}, "qwen2_5_vl", "image", configs)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -20,7 +21,7 @@ import time
 import types
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -779,3 +780,26 @@ def raw_video(frames: np.ndarray, fps: int = VIDEO_FPS) -> tuple[np.ndarray, dic
         "video_backend": "opencv",
     }
     return frames, metadata
+
+
+def served_adapters(folder: Path, adapters: dict[str, Path]) -> Any:
+    """``mmserve.serving.lora.Adapters`` of a ``multi_lora.json`` written in ``folder`` for ``adapters``
+    (name -> folder), LoRA on with slots of rank 16."""
+    from mmserve.serving.lora import Adapters
+
+    (folder / "multi_lora.json").write_text(json.dumps({name: str(path) for name, path in adapters.items()}))
+    return Adapters.from_model_dir(folder, {"enable_lora": True, "max_lora_rank": 16})
+
+
+@contextlib.contextmanager
+def lora_engine(model: Path, served: Any, chunk: int) -> Iterator[Any]:
+    """An engine on ``model`` with LoRA on (two adapters a step), ``served``'s adapters loaded into it,
+    prefilling in steps of ``chunk`` tokens."""
+    from mmserve.engine import EngineRunner
+
+    args = {**ENGINE_ARGS, "enable_lora": True, "max_lora_rank": 16, "max_loras": 2}
+    args |= {"enable_chunked_prefill": True, "max_num_batched_tokens": chunk}
+    with EngineRunner(str(model), **args) as runner:
+        for adapter in served.by_name.values():
+            assert runner.submit(runner.engine.add_lora(adapter.request())).result()
+        yield runner

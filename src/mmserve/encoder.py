@@ -51,13 +51,15 @@ class Towers:
         finally:
             hf_logging.set_verbosity(verbosity)
         self.modules: dict[str, torch.nn.Module] = {}
+        self._takes: dict[str, frozenset[str]] = {}  # each tower's forward parameters, read once
         self.projectors: dict[str, torch.nn.Module] = {}
         self.specs: dict[str, TowerSpec] = {}
         for tower in self.family.towers:
             module = _load(tower, config, self.path).to(device=self.device, dtype=self.dtype).eval()
+            takes = frozenset(inspect.signature(module.forward).parameters)
             projector = _load_projector(tower, config, self.path)
             for modality in tower.modalities:
-                self.modules[modality], self.specs[modality] = module, tower
+                self.modules[modality], self.specs[modality], self._takes[modality] = module, tower, takes
                 if projector is not None:
                     self.projectors[modality] = projector.to(device=self.device, dtype=self.dtype).eval()
         # the config above the towers' (the projectors', the language model's width: every embedding's)
@@ -107,7 +109,7 @@ class Towers:
         features = self._tensor(input_features).to(self.dtype)
         mask = self._tensor(feature_attention_mask).bool()
         lengths = mask.sum(-1)
-        takes = inspect.signature(tower.forward).parameters
+        takes = self._takes["audio"]
         with torch.inference_mode():
             if not self.specs["audio"].padded:  # the valid frames packed together (Qwen's Omni towers)
                 valid = features.permute(0, 2, 1)[mask].permute(1, 0)

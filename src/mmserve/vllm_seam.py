@@ -346,6 +346,8 @@ def skip_no_lora_rows(op: Callable[..., Any]) -> Callable[..., Any]:
         idle = indices < 0
         if not bool(idle.any()):
             return op(inputs, weights, output, indices, *args, **kwargs)
+        if bool(idle.all()):  # no adapter in the step (a decode of base-model requests): nothing to do
+            return None
         rows = idle.nonzero(as_tuple=True)[0]
         rows = rows[rows < output.shape[0]]
         kept = output[rows].clone()

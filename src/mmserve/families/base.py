@@ -486,6 +486,20 @@ def check_embeddings(
             expected=f"{rows} rows (one per placeholder token: {rule})",
             found=f"{embeds.shape[0]} rows",
         )
+    if embeds.numel() and (found := beyond(embeds, MAX_EMBEDDING_VALUE)):
+        raise ProcessedInputError(
+            modality,
+            field=field,
+            expected=f"values within [-{MAX_EMBEDDING_VALUE:g}, {MAX_EMBEDDING_VALUE:g}] (float16's range)",
+            found=f"{found[0]} value(s) beyond, up to {found[1]:g} in magnitude",
+        )
+
+
+MAX_EMBEDDING_VALUE = 65504.0
+"""The largest magnitude of an encoder's output sent in place of its input: float16's largest value,
+far beyond what a tower's output holds (the tiny checkpoints' stay within a few units). The bound
+keeps a client's finite but huge values (1e30) out of the language model's float32 norms, whose
+squares would overflow, as ``MAX_PIXEL_VALUE`` and ``MAX_LOG_MEL`` bound the features."""
 
 
 def check_pixel_magnitude(modality: str, field: str, pixels: torch.Tensor) -> None:
