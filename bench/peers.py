@@ -788,7 +788,7 @@ class InProcessSystem(System):
 
         super().__init__(name)
         self.runner, self.preprocessing = runner, preprocessing
-        self.params = parse_sampling_parameters(json.dumps(sampling), stream=stream, logprobs=False)  # as mm_llm
+        self.params = parse_sampling_parameters(json.dumps(sampling), stream=stream)  # as mm_llm
 
     async def tokens(self, request: Request) -> TokenStream:
         from mmserve.inputs import processed_prompt

@@ -14,6 +14,8 @@ import base64
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -163,6 +165,139 @@ def test_the_gateway_serves_adapters_as_models(server, expected, tmp_path):
             assert direct.output_ids == tokens[lora]
             assert reply.choices[0].message.content == direct.text, name
         with pytest.raises(openai.NotFoundError, match="and its LoRA adapters"):
+            sdk.chat.completions.create(model="sql", messages=[{"role": "user", "content": QUESTION}], max_tokens=4)
+        # vLLM's runtime updates are off by default: no such endpoint
+        assert _post(gateway.url + "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x"})[0] == 404
+    finally:
+        gateway.stop()
+
+
+def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int, str]:
+    import requests
+
+    reply = requests.post(url, json=body, headers=headers or {}, timeout=120)
+    return reply.status_code, reply.text
+
+
+def update_adapters(server, update: dict, key: str | None) -> dict[str, str]:
+    """``mmserve.adapters.update_adapters`` with ``key`` as the operator's (None: none)."""
+    from mmserve.adapters import update_adapters as send
+
+    return send(server.grpc, update, operator_key=key or "")
+
+
+def test_adapters_change_while_serving(server, expected, adapters):
+    """The operator's ``lora_adapters`` control request: an adapter unloaded while a request on another
+    is in flight (that one answers as before; the unloaded one is refused by name from then on), one
+    loaded under a new name from a folder (its answer = HF + peft's), a bad folder refused naming it
+    with nothing changed, ``reload`` back to ``multi_lora.json``; an ordinary client refused."""
+    import concurrent.futures
+
+    from mmserve.client import ClientError
+
+    image, tokens = expected
+    png = encode_image(image)
+    client = _client(server)
+    key = server.server.operator_key
+
+    def ask(name, **kwargs):
+        return client.generate(QUESTION, [png], lora_name=name, max_tokens=12, temperature=0.0, **kwargs).output_ids
+
+    with pytest.raises(ClientError, match=r"lora_adapters: refused: the operator's key \(operator_key\) is missing"):
+        update_adapters(server, {"unload": ["lora_r8"]}, None)
+    with pytest.raises(ClientError, match=r"lora_adapters: refused"):
+        update_adapters(server, {"unload": ["lora_r8"]}, "x" * 43)
+    assert ask("lora_r8") == tokens["lora_r8"]
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        in_flight = [pool.submit(ask, "lora_r16", stream=True) for _ in range(2)]
+        served = update_adapters(server, {"unload": ["lora_r8"]}, key)
+        assert [future.result() for future in in_flight] == [tokens["lora_r16"]] * 2
+    assert served == {"lora_r16": str(adapters["lora_r16"])}
+    with pytest.raises(
+        ClientError, match=r"lora_name 'lora_r8' is not an adapter of this model \(it serves \['lora_r16'\]\)"
+    ):
+        ask("lora_r8")
+
+    served = update_adapters(server, {"load": {"sql": str(adapters["lora_r8"])}}, key)
+    assert set(served) == {"lora_r16", "sql"}
+    assert ask("sql") == tokens["lora_r8"] and ask("lora_r16") == tokens["lora_r16"] and ask(None) == tokens[None]
+    with pytest.raises(ClientError, match=r"lora_adapters: adapter 'bad': .* is not a folder"):
+        update_adapters(server, {"load": {"bad": "/nonexistent/adapter"}}, key)
+    with pytest.raises(
+        ClientError, match=r"lora_adapters: unload: 'nope' not served \(it serves \['lora_r16', 'sql'\]\)"
+    ):
+        update_adapters(server, {"unload": ["nope"]}, key)
+    assert ask("sql") == tokens["lora_r8"]  # nothing changed
+
+    reload = subprocess.run(  # multi_lora.json again, as the operator types it
+        [sys.executable, "-m", "mmserve.adapters", "--url", server.grpc, "reload"],
+        env={**os.environ, settings.OPERATOR_KEY.name: key},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert reload.returncode == 0, reload.stderr
+    assert json.loads(reload.stdout) == {name: str(path) for name, path in adapters.items()}
+    assert ask("lora_r8") == tokens["lora_r8"]
+    with pytest.raises(ClientError, match=r"lora_name 'sql' is not an adapter"):
+        ask("sql")
+    deadline = time.monotonic() + 10
+    while adapter_metrics(server).get(("mmserve:lora_requests_total", "sql")) != 2:
+        assert time.monotonic() < deadline, adapter_metrics(server)
+        time.sleep(0.2)
+
+
+def test_the_gateway_loads_and_unloads_adapters(server, expected, adapters, tmp_path):
+    """``--allow-runtime-lora-updating``: vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+    with the operator's key (401 without), their answers and refusals as ``vllm serve``'s; a loaded
+    adapter is a model the SDK names (its answer = mm_ensemble's with the same folder), an unloaded one a
+    404."""
+    import openai
+    from test_openai import Gateway
+
+    image, tokens = expected
+    png = encode_image(image)
+    key = server.server.operator_key
+    gateway = Gateway(
+        server.grpc,
+        tmp_path / "gateway.log",
+        "--allow-runtime-lora-updating",
+        env={settings.OPERATOR_KEY.name: key},
+    )
+    operator = {"mmserve-operator-key": key}
+    load, unload = gateway.url + "/v1/load_lora_adapter", gateway.url + "/v1/unload_lora_adapter"
+    body = {"lora_name": "sql", "lora_path": str(adapters["lora_r8"])}
+    try:
+        assert _post(load, body)[0] == 401
+        assert _post(load, body, {"mmserve-operator-key": "y" * 43})[0] == 401
+        assert _post(load, body, operator) == (200, "Success: LoRA adapter 'sql' added successfully.")
+        status, text = _post(load, body, operator)
+        assert status == 400 and "The lora adapter 'sql' has already been loaded" in text
+        assert _post(load, {**body, "load_inplace": True}, operator)[0] == 200
+        status, text = _post(load, {"lora_name": "bad", "lora_path": "/nonexistent/adapter"}, operator)
+        assert status == 400 and "adapter 'bad'" in text and "is not a folder" in text
+        sdk = gateway.sdk()
+        assert {card.id: getattr(card, "parent", None) for card in sdk.models.list().data} == {
+            "mm_ensemble": None,
+            "sql": "mm_ensemble",
+        }
+        content = [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
+            {"type": "text", "text": QUESTION},
+        ]
+        reply = sdk.chat.completions.create(
+            model="sql", messages=[{"role": "user", "content": content}], max_tokens=12, temperature=0.0
+        )
+        direct = _client(server).generate(QUESTION, [png], lora_name="sql", max_tokens=12, temperature=0.0)
+        assert direct.output_ids == tokens["lora_r8"] and reply.choices[0].message.content == direct.text
+        assert _post(unload, {"lora_name": "sql"}, operator) == (
+            200,
+            "Success: LoRA adapter 'sql' removed successfully.",
+        )
+        status, text = _post(unload, {"lora_name": "sql"}, operator)
+        assert status == 404 and "The lora adapter 'sql' cannot be found." in text
+        with pytest.raises(openai.NotFoundError):
             sdk.chat.completions.create(model="sql", messages=[{"role": "user", "content": QUESTION}], max_tokens=4)
     finally:
         gateway.stop()

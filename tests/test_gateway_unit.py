@@ -876,7 +876,7 @@ def test_structured_output_becomes_vllms_structured_outputs(fields, structured):
         with pytest.raises(VLLMValidationError, match="only use one kind of structured outputs"):
             request.extract_structured_outputs()
         with pytest.raises(InputError, match="structured_outputs: expected exactly one of"):
-            parse_sampling_parameters(json.dumps(params), stream=False, logprobs=False)
+            parse_sampling_parameters(json.dumps(params), stream=False)
         return
     reference = request.extract_structured_outputs()
     if structured is None:
@@ -1708,13 +1708,13 @@ def test_mm_llm_constrains_the_calls_as_vllm_serve_does(tiny_models):
     auto = vllm_seam.tool_call_params(engine, "hermes", base, ToolCalling([WEATHER], "auto"))
     assert auto.structured_outputs is None and not auto.skip_special_tokens and auto.max_tokens == 8
     regex = parse_generation_parameters(
-        json.dumps({"structured_outputs": {"regex": "a+"}, "tools": [WEATHER]}), stream=False, logprobs=False
+        json.dumps({"structured_outputs": {"regex": "a+"}, "tools": [WEATHER]}), stream=False
     )
     assert regex.tool_calling == ToolCalling([WEATHER], "auto")
     both = vllm_seam.tool_call_params(engine, "hermes", regex.params, regex.tool_calling)
     assert both.structured_outputs.regex == "a+" and not both.skip_special_tokens  # auto: the client's stays
     with pytest.raises(Exception, match="tool_choice"):
-        parse_generation_parameters(json.dumps({"tool_choice": "required"}), stream=False, logprobs=False)
+        parse_generation_parameters(json.dumps({"tool_choice": "required"}), stream=False)
 
 
 def test_tools_reach_preprocess_and_the_conversation_keeps_its_calls():

@@ -95,10 +95,45 @@ def test_a_requests_adapter_is_one_the_model_serves(tmp_path, adapters):
         served.resolve("sql")
     with pytest.raises(InputError, match=r"lora_name 'sql': this model serves no LoRA adapters \(enable_lora is off"):
         Adapters({}).resolve("sql")
-    assert parse_generation_parameters('{"lora_name": "lora_r8"}', stream=False, logprobs=False).lora_name == "lora_r8"
+    assert parse_generation_parameters('{"lora_name": "lora_r8"}', stream=False).lora_name == "lora_r8"
     for bad in ('""', '"' + "a" * 257 + '"', "7"):
         with pytest.raises(InputError, match="lora_name"):
-            parse_generation_parameters('{"lora_name": ' + bad + "}", stream=False, logprobs=False)
+            parse_generation_parameters('{"lora_name": ' + bad + "}", stream=False)
+
+
+def test_an_operators_update_of_the_adapters(tmp_path, adapters):
+    """``parse_update``'s three forms, each bounded and checked; ``Adapters.updated`` keeps an adapter's id
+    while its folder stays and gives a new one otherwise (never reused: no KV block of other weights)."""
+    from mmserve.errors import InputError
+    from mmserve.serving.lora import MAX_UPDATE_CHARS, AdapterError, Adapters, parse_update
+
+    served = Adapters.from_model_dir(_model_dir(tmp_path, adapters), {"enable_lora": True, "max_lora_rank": 16})
+    r8, r16 = str(adapters["lora_r8"]), str(adapters["lora_r16"])
+    assert parse_update(served, '{"unload": ["lora_r8"]}') == {"lora_r16": r16}
+    assert parse_update(served, json.dumps({"load": {"sql": r8}})) == {"lora_r8": r8, "lora_r16": r16, "sql": r8}
+    assert parse_update(served, '{"reload": true}') == {"lora_r8": r8, "lora_r16": r16}
+    for text, message in [
+        ("{", "lora_adapters: invalid JSON"),
+        ('{"drop": ["lora_r8"]}', 'expected one of {"load"'),
+        ('{"load": {}, "unload": []}', 'expected one of {"load"'),
+        ('{"unload": ["nope", "lora_r8"]}', r"unload: 'nope' not served \(it serves \['lora_r16', 'lora_r8'\]\)"),
+        ('{"unload": []}', "unload: expected a non-empty list"),
+        ('{"load": {"sql": 7}}', "load: expected a non-empty object of adapter names to folders"),
+        ('{"reload": 1}', "reload: expected true"),
+        (" " * (MAX_UPDATE_CHARS + 1), f"expected at most {MAX_UPDATE_CHARS} characters"),
+    ]:
+        with pytest.raises(InputError, match=message):
+            parse_update(served, text)
+    with pytest.raises(InputError, match="this model serves no LoRA adapters"):
+        parse_update(Adapters({}), '{"reload": true}')
+
+    unloaded = served.updated({"lora_r16": r16})
+    assert unloaded.by_name["lora_r16"].lora_id == 2 and not served.new_in(unloaded)
+    moved = unloaded.updated({"lora_r16": r8, "lora_r8": r8})  # a new folder under an old name: a new id
+    assert [(a.name, a.lora_id) for a in moved.by_name.values()] == [("lora_r16", 3), ("lora_r8", 4)]
+    assert [a.name for a in unloaded.new_in(moved)] == ["lora_r16", "lora_r8"]
+    with pytest.raises(AdapterError, match=r"adapter 'bad': .*missing is not a folder"):
+        served.updated({"bad": str(tmp_path / "missing")})
 
 
 # -- on the engine -----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import sys
 import time
@@ -61,7 +62,7 @@ def _get(url: str) -> tuple[int, dict]:
 class Gateway:
     """``python -m mmserve.gateway`` in a subprocess on a free port; always stopped."""
 
-    def __init__(self, triton_url: str, log: Path, *extra_args: str) -> None:
+    def __init__(self, triton_url: str, log: Path, *extra_args: str, env: dict[str, str] | None = None) -> None:
         from mmserve_dev.triton import free_ports
 
         (self.port,) = free_ports(1)
@@ -86,6 +87,7 @@ class Gateway:
                 cwd=ROOT,
                 stdout=out,
                 stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
             )
         deadline = time.time() + 60
         while True:

@@ -19,9 +19,9 @@ from mmserve.errors import InputError
 from mmserve.serving.sampling import SUPPORTED, check_engine_transport, parse_sampling_parameters
 
 
-def parse(params: object, *, stream: bool = False, logprobs: bool = False) -> SamplingParams:
+def parse(params: object, *, stream: bool = False, cumulative_logprob: bool = False) -> SamplingParams:
     text = params if isinstance(params, str) else json.dumps(params)
-    return parse_sampling_parameters(text, stream=stream, logprobs=logprobs)
+    return parse_sampling_parameters(text, stream=stream, cumulative_logprob=cumulative_logprob)
 
 
 BAD = [
@@ -223,7 +223,6 @@ def test_accepts(params: object, expected: dict[str, object]) -> None:
     result = parse_sampling_parameters(
         None if params is None else params if isinstance(params, str) else json.dumps(params),
         stream=False,
-        logprobs=False,
     )
     for name, value in expected.items():
         got = getattr(result, name)
@@ -231,12 +230,18 @@ def test_accepts(params: object, expected: dict[str, object]) -> None:
     assert result.output_kind == RequestOutputKind.FINAL_ONLY
 
 
-def test_stream_and_logprobs_flags() -> None:
+def test_stream_and_cumulative_logprob_flags() -> None:
+    from mmserve.serving.sampling import parse_generation_parameters
+
     assert parse({}, stream=True).output_kind == RequestOutputKind.DELTA
-    assert parse({}, logprobs=True).logprobs == 1
-    assert parse({"logprobs": 5}, logprobs=True).logprobs == 5
-    assert parse({"logprobs": None}, logprobs=True).logprobs == 1
+    # The cumulative logprob needs the sampled tokens' logprobs: 0 more unless the client chose a number.
+    assert parse({}, cumulative_logprob=True).logprobs == 0
+    assert parse({"logprobs": 5}, cumulative_logprob=True).logprobs == 5
+    assert parse({"logprobs": None}, cumulative_logprob=True).logprobs == 0
     assert parse({}).logprobs is None
+    asked = parse_generation_parameters('{"logprobs": 0}', stream=False, cumulative_logprob=True)
+    assert asked.logprobs_asked and asked.params.logprobs == 0
+    assert not parse_generation_parameters("{}", stream=False, cumulative_logprob=True).logprobs_asked
 
 
 def test_table_covers_only_real_fields() -> None:

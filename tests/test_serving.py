@@ -223,12 +223,10 @@ def test_sampling_parameters():
     from mmserve.errors import InputError
     from mmserve.serving.sampling import parse_sampling_parameters
 
-    params = parse_sampling_parameters(
-        '{"max_tokens": "7", "temperature": "0.5", "ignore_eos": "true"}', stream=True, logprobs=False
-    )
+    params = parse_sampling_parameters('{"max_tokens": "7", "temperature": "0.5", "ignore_eos": "true"}', stream=True)
     assert (params.max_tokens, params.temperature, params.ignore_eos) == (7, 0.5, True)
     assert params.output_kind == RequestOutputKind.DELTA
-    assert parse_sampling_parameters(None, stream=False, logprobs=True).logprobs == 1
+    assert parse_sampling_parameters(None, stream=False, cumulative_logprob=True).logprobs == 0
     for text, message in [
         ("{", "invalid JSON"),
         ("[1]", "expected a JSON object"),
@@ -238,7 +236,7 @@ def test_sampling_parameters():
         ('{"n": 2}', "only 1 completion"),
     ]:
         with pytest.raises(InputError, match=message):
-            parse_sampling_parameters(text, stream=False, logprobs=False)
+            parse_sampling_parameters(text, stream=False)
 
 
 def test_parse_request_groups_tensors_by_modality():

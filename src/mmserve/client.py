@@ -52,7 +52,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from mmserve.wire import code_of
+from mmserve.wire import code_of, finish_reason
 
 ENSEMBLE = "mm_ensemble"
 LLM = "mm_llm"
@@ -593,7 +593,7 @@ def _result_from(get: Any) -> Result:
     return Result(
         text=optional("text_output") or "",
         output_ids=output_ids,
-        finish_reason=optional("finish_reason") or None,
+        finish_reason=finish_reason(optional("finish_reason")),
         num_input_tokens=optional("num_input_tokens"),
         num_output_tokens=len(output_ids) if output_tokens is None else output_tokens,
         prompt_logprobs=None if prompt is None else json.loads(prompt),
@@ -612,7 +612,7 @@ def _result_from_json(event: Mapping[str, Any]) -> Result:
     return Result(
         text=first("text_output") or "",
         output_ids=output_ids,
-        finish_reason=first("finish_reason") or None,
+        finish_reason=finish_reason(first("finish_reason")),
         num_input_tokens=first("num_input_tokens"),
         num_output_tokens=len(output_ids) if output_tokens is None else output_tokens,
         prompt_logprobs=None if prompt is None else json.loads(prompt),

@@ -119,9 +119,18 @@ TORCH_SPEC = EnvVar(
     "scripts/setup_env.sh",
 )
 
+RUNTIME_LORA_UPDATING = EnvVar(
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    None,
+    "`true` or `1`: the OpenAI gateway serves /v1/load_lora_adapter and /v1/unload_lora_adapter for the "
+    "operator (its `--allow-runtime-lora-updating`; vLLM's own variable, as `vllm serve` reads it)",
+    "mmserve.gateway.__main__",
+)
+
 ALL: tuple[EnvVar, ...] = (
     MODEL,
     OPENAI_API_KEY,
+    RUNTIME_LORA_UPDATING,
     OPERATOR_KEY,
     OPERATOR_KEY_FILE,
     CACHE_DIR,

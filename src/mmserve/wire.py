@@ -101,10 +101,13 @@ SAMPLING_PARAMETERS = TensorSpec(
 )
 FLAG_INPUTS: tuple[TensorSpec, ...] = (
     STREAM,
-    _flag("exclude_input_in_output", "leave text_input out of a non-streamed text_output"),
-    _flag("return_finish_reason", "add finish_reason to the final response"),
-    _flag("return_cumulative_logprob", "add cumulative_logprob"),
-    _flag("return_logprobs", "add logprobs (JSON)"),
+    _flag(
+        "exclude_input_in_output",
+        "leave text_input out of a non-streamed text_output (a stream never echoes it: false is refused)",
+    ),
+    _flag("return_finish_reason", 'add finish_reason ("None" until the final response)'),
+    _flag("return_cumulative_logprob", "add cumulative_logprob (the output's so far)"),
+    _flag("return_logprobs", "add logprobs (JSON; null unless sampling_parameters asks for logprobs)"),
     _flag("return_num_input_tokens", "add num_input_tokens"),
     _flag("return_num_output_tokens", "add num_output_tokens"),
 )
@@ -137,18 +140,28 @@ DRAIN = TensorSpec(
     "give those in flight this many seconds, then end them UNAVAILABLE; answered once none is "
     "in flight (mmserve.drain); only with operator_key",
 )
+LORA_ADAPTERS = TensorSpec(
+    "lora_adapters",
+    "object",
+    (1,),
+    'a control request to mm_llm: change the LoRA adapters served while serving, JSON {"load": '
+    '{name: folder}}, {"unload": [name]} or {"reload": true} (multi_lora.json again); answered with '
+    "text_output, the adapters now served as JSON {name: folder} (mmserve.serving.lora); only with operator_key",
+)
 OPERATOR_KEY = TensorSpec(
     "operator_key",
     "object",
     (1,),
-    "the operator's key (mmserve.operator), which a drain must carry: refused without it",
+    "the operator's key (mmserve.operator), which a drain or a change of the adapters must carry: refused without it",
 )
 
 # ------------------------------------------------------------------------------------ responses
 OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("text_output", "object", ("texts",), "the generated text (the delta when streaming)"),
     TensorSpec("output_ids", "int64", ("tokens",), "the generated token ids (the delta when streaming)"),
-    TensorSpec("finish_reason", "object", ("texts",), "stop, length, abort (return_finish_reason)"),
+    TensorSpec(
+        "finish_reason", "object", ("texts",), 'stop, length, abort; "None" before the last (return_finish_reason)'
+    ),
     TensorSpec("cumulative_logprob", "float32", ("values",), "(return_cumulative_logprob)"),
     TensorSpec("logprobs", "object", ("texts",), "per token, JSON (return_logprobs)"),
     TensorSpec(
@@ -179,6 +192,12 @@ TRITON_UNAVAILABLE = ("unknown model", "has no available versions", "is not read
 
 def tagged(code: str, message: str) -> str:
     return f"[{code}] {message}"
+
+
+def finish_reason(value: str | None) -> str | None:
+    """A ``finish_reason`` output as a reason: None for a response before the last (which carries
+    ``"None"``, as Triton's vLLM backend sends it) or for an absent or empty one."""
+    return None if value in (None, "", "None") else value
 
 
 def code_of(message: str) -> str | None:

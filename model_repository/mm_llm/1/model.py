@@ -13,6 +13,9 @@ Inputs : input_ids (INT64 [tokens], placeholders expanded); optional pixel_value
          drain (FP32 [1]) + operator_key: a control request before a stop (mmserve.drain), the
          operator's only (mmserve.operator): refuse new requests, give those in flight this many
          seconds, end the rest UNAVAILABLE, then answer.
+         lora_adapters (BYTES [1], JSON) + operator_key: a control request, the operator's only:
+         load, unload or reload (multi_lora.json) LoRA adapters while serving (mmserve.serving.lora);
+         answered with text_output, the adapters now served ({name: folder}).
 Outputs: text_output, output_ids, and when asked finish_reason, cumulative_logprob, logprobs,
          num_input_tokens, num_output_tokens. Streaming: the first delta at once, then at most
          one response per stream_flush_ms (config.pbtxt; per request in sampling_parameters).
@@ -33,6 +36,7 @@ import logging
 import os
 import threading
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from mmserve.serving.embedded import (
@@ -49,6 +53,7 @@ use_utf8_locale()  # first: before torch or vLLM read a file (see its docstring)
 from mmserve import operator, vllm_seam
 from mmserve.errors import InputError, UnavailableError
 from mmserve.serving.llm import STOPPING, STREAM_FLUSH_MS, HealthConfig, LLMConfig, LLMService, parse_request
+from mmserve.serving.lora import AdapterError, parse_update
 from mmserve.serving.metrics import TritonMetrics, TritonStatLogger
 from mmserve.serving.owners import owner_of, request_id_of
 from mmserve.serving.triton import TritonSink, first_bytes, flag, parameters, read_input
@@ -133,6 +138,16 @@ class TritonPythonModel:
                         target=self._drain, args=(float(drain.reshape(-1)[0]), sink), name="mm_llm-drain", daemon=True
                     ).start()
                     continue
+                if (update := first_bytes(get("lora_adapters"), "lora_adapters")) is not None:
+                    if not operator.is_operator(self.operator_key, first_bytes(get("operator_key"), "operator_key")):
+                        raise InputError(
+                            "lora_adapters: refused: the operator's key (operator_key) is missing or wrong"
+                        )
+                    entries = parse_update(self.service.adapters, update.decode("utf-8", "replace"))
+                    threading.Thread(  # the engine loads the weights: execute goes on meanwhile
+                        target=self._update_adapters, args=(entries, sink), name="mm_llm-lora", daemon=True
+                    ).start()
+                    continue
                 owner = owner_of(client_id, first_bytes(get("cancel_key"), "cancel_key"))
                 parsed = parse_request(
                     self.family,
@@ -151,6 +166,20 @@ class TritonPythonModel:
             request_id = self.service.runner.new_request_id(client_id or "triton")
             self.service.submit(parsed, sink, request_id, owner=owner)
         return None
+
+    def _update_adapters(self, entries, sink):
+        try:
+            served = self.service.update_adapters(self.service.adapters.updated(entries))
+        except AdapterError as exc:
+            sink.send_error(InputError(f"lora_adapters: {exc}"))
+            return
+        except Exception as exc:  # noqa: BLE001 - e.g. the engine failed meanwhile: answered, scrubbed
+            sink.send_error(exc)
+            return
+        self.metrics.add_adapters(tuple(served.by_name))
+        logger.info("LoRA adapters served now: %s", sorted(served.by_name))
+        text = json.dumps(served.listing()).encode()
+        sink.send({"text_output": np.array([text], dtype=np.object_)}, final=True)
 
     def _drain(self, grace_s, sink):
         logger.info("draining: %d request(s) in flight get %.1f s", self.service.in_flight(), grace_s)

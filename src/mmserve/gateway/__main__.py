@@ -10,9 +10,10 @@ import json
 import sys
 from collections.abc import Sequence
 
-from mmserve import settings
+from mmserve import operator, settings
 from mmserve.gateway.app import DEFAULT_MODEL, GatewayConfig
 from mmserve.gateway.tools import TOOL_CALL_PARSERS
+from mmserve.operator import OPERATOR_HEADER
 
 GRACEFUL_SHUTDOWN_S = 10
 """After SIGTERM, how long streams in flight may still run (uvicorn's graceful shutdown); the drain
@@ -67,6 +68,14 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, 
         metavar="NAME",
         help="LoRA adapters of mm_llm's multi_lora.json that clients may name as `model` (vllm serve's "
         "--lora-modules; a NAME=PATH is taken as NAME: mm_llm loads the adapters)",
+    )
+    parser.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        default=(settings.RUNTIME_LORA_UPDATING.get() or "").lower() in ("1", "true"),
+        help="serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, the operator's only: each "
+        f"call carries the operator's key (header {OPERATOR_HEADER}; the gateway's own from "
+        f"${settings.OPERATOR_KEY.name}). Default: off, unless $VLLM_ALLOW_RUNTIME_LORA_UPDATING is true (as vLLM)",
     )
     parser.add_argument(
         "--allow-remote-media",
@@ -150,6 +159,12 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, 
     if args.media_fetches_in_flight < 1:
         parser.error(f"--media-fetches-in-flight: expected a positive integer, found {args.media_fetches_in_flight}")
     keys = [key for key in (args.api_key or [settings.OPENAI_API_KEY.get()]) if key]
+    operator_key = operator.key_from_environment()
+    if args.allow_runtime_lora_updating and not operator_key:
+        parser.error(
+            f"--allow-runtime-lora-updating needs the operator's key (${settings.OPERATOR_KEY.name} or "
+            f"${settings.OPERATOR_KEY_FILE.name}): mm_llm changes its adapters for the operator only"
+        )
 
     config = GatewayConfig(
         triton_url=args.triton_url,
@@ -169,6 +184,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, 
         media_fetches_in_flight=args.media_fetches_in_flight,
         api_keys=tuple(keys),
         lora_modules=tuple(dict.fromkeys(module.split("=", 1)[0] for module in args.lora_modules)),
+        runtime_lora_updating=args.allow_runtime_lora_updating,
+        operator_key=operator_key,
     )
     return config, args
 

@@ -33,12 +33,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mmserve import operator
 from mmserve.gateway import tools
 from mmserve.gateway.convert import FETCHES_IN_FLIGHT, MEDIA_LIMITS, conversation, openai_logprobs, request_tensors
 from mmserve.gateway.errors import APIError, internal, invalid, logger, unavailable
 from mmserve.gateway.media import MediaFetcher
 from mmserve.gateway.protocol import ChatCompletionRequest, parse_request
 from mmserve.gateway.triton import STREAMS, Delta, TritonBackend
+from mmserve.operator import OPERATOR_HEADER
 
 DEFAULT_MODEL = "mm_ensemble"
 
@@ -79,6 +81,13 @@ class GatewayConfig:
     """LoRA adapters of ``mm_llm``'s ``multi_lora.json`` that clients name as ``model`` (``vllm serve
     --lora-modules``): such a request is answered by that adapter (``sampling_parameters``'
     ``lora_name``); ``/v1/models`` lists each with the base model as its ``parent``."""
+    runtime_lora_updating: bool = False
+    """vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``vllm serve`` with
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): off by default; each call must carry the operator's key
+    (header ``mmserve-operator-key``, as Triton's restricted APIs), which the gateway passes on to
+    ``mm_llm``'s ``lora_adapters`` control request."""
+    operator_key: str | None = field(default=None, repr=False)
+    """The operator's key (``mmserve.operator``), for ``runtime_lora_updating``."""
 
     @property
     def name(self) -> str:
@@ -113,6 +122,7 @@ def create_app(config: GatewayConfig, backend: Any = None) -> FastAPI:
         else None
     )
     created = int(time.time())
+    served = Served(list(config.lora_modules))  # the adapters clients may name: runtime updates change it
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -149,29 +159,93 @@ def create_app(config: GatewayConfig, backend: Any = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(), *(model_card(name) for name in config.lora_modules)]}
+        return {"object": "list", "data": [model_card(), *(model_card(name) for name in served.adapters)]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> Response:
-        if model in config.lora_modules:
+        if model in served.adapters:
             return JSONResponse(model_card(model))
         if model not in (config.name, config.model):
-            return JSONResponse(_model_not_found(model, config).body(), status_code=404)
+            return JSONResponse(_model_not_found(model, config, served).body(), status_code=404)
         return JSONResponse(model_card())
+
+    if config.runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            return await _answered(_update_adapter(request, config, backend, served, load=True), "a LoRA load")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            return await _answered(_update_adapter(request, config, backend, served, load=False), "a LoRA unload")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        try:
-            return await _chat(request, config, backend, fetcher)
-        except APIError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
-        except _ClientGone:
-            return Response(status_code=499)
-        except Exception as exc:  # noqa: BLE001 - never a traceback to the client
-            error = internal("chat completion", exc)
-            return JSONResponse(error.body(), status_code=error.status)
+        return await _answered(_chat(request, config, backend, fetcher, served))
 
     return app
+
+
+async def _answered(work: Awaitable[Response], what: str = "chat completion") -> Response:
+    """``work``'s response; its ``APIError`` as the client sees one, never a traceback."""
+    try:
+        return await work
+    except APIError as exc:
+        return JSONResponse(exc.body(), status_code=exc.status)
+    except _ClientGone:
+        return Response(status_code=499)
+    except Exception as exc:  # noqa: BLE001 - never a traceback to the client
+        error = internal(what, exc)
+        return JSONResponse(error.body(), status_code=error.status)
+
+
+@dataclass
+class Served:
+    """The LoRA adapters clients may name as ``model``: ``--lora-modules``, then what the operator
+    loaded or unloaded through the gateway (replaced whole: a request reads one list)."""
+
+    adapters: list[str]
+
+
+MAX_ADAPTER_REQUEST_BYTES = 1 << 16
+
+
+async def _update_adapter(
+    request: Request, config: GatewayConfig, backend: Any, served: Served, *, load: bool
+) -> Response:
+    """vLLM's ``/v1/load_lora_adapter`` (``{"lora_name", "lora_path", "load_inplace"}``) and
+    ``/v1/unload_lora_adapter`` (``{"lora_name"}``), their checks and messages, the operator's only."""
+    given = request.headers.get(OPERATOR_HEADER)
+    if not operator.is_operator(config.operator_key, given):
+        raise APIError(401, f"this endpoint needs the operator's key (header {OPERATOR_HEADER})", code="unauthorized")
+    body = await _read_json(request, MAX_ADAPTER_REQUEST_BYTES)
+    if not isinstance(body, dict):
+        raise invalid("the request body: expected a JSON object")
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not isinstance(name, str) or not name or (load and (not isinstance(path, str) or not path)):
+        raise invalid(
+            "Both 'lora_name' and 'lora_path' must be provided."
+            if load
+            else "'lora_name' needs to be provided to unload a LoRA adapter."
+        )
+    if load:
+        if name in (config.name, config.model):
+            raise invalid(f"The lora adapter '{name}' conflicts with a served base model.")
+        if name in served.adapters and not body.get("load_inplace"):
+            raise invalid(
+                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in "
+                "place, set 'load_inplace' to True."
+            )
+        await backend.update_adapters({"load": {name: path}}, config.operator_key)
+        served.adapters = [*(a for a in served.adapters if a != name), name]
+        logger.info("Loaded new LoRA adapter: name '%s', path '%s'", name, path)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+    if name not in served.adapters:
+        raise APIError(404, f"The lora adapter '{name}' cannot be found.", code="not_found", type="NotFoundError")
+    served.adapters = [a for a in served.adapters if a != name]  # no new request names it from now
+    await backend.update_adapters({"unload": [name]}, config.operator_key)
+    logger.info("Removed LoRA adapter: name '%s'", name)
+    return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
 
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
@@ -212,8 +286,8 @@ class AuthenticationMiddleware:
         await self.app(scope, receive, send)
 
 
-def _model_not_found(model: str, config: GatewayConfig) -> APIError:
-    adapters = f" and its LoRA adapters {list(config.lora_modules)}" if config.lora_modules else ""
+def _model_not_found(model: str, config: GatewayConfig, served: Served) -> APIError:
+    adapters = f" and its LoRA adapters {served.adapters}" if served.adapters else ""
     return APIError(
         404,
         f"the model {model!r} does not exist; this server serves {config.name!r}{adapters}",
@@ -277,11 +351,13 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
-async def _chat(request: Request, config: GatewayConfig, backend: Any, fetcher: MediaFetcher | None) -> Response:
+async def _chat(
+    request: Request, config: GatewayConfig, backend: Any, fetcher: MediaFetcher | None, served: Served
+) -> Response:
     chat = parse_request(await _read_json(request, config.max_request_bytes))
-    lora_name = chat.model if chat.model in config.lora_modules else None
+    lora_name = chat.model if chat.model in served.adapters else None
     if lora_name is None and chat.model not in (config.name, config.model):
-        raise _model_not_found(chat.model, config)
+        raise _model_not_found(chat.model, config, served)
     if tools.mode_of(chat) == "auto" and config.tool_call_parser == "none":
         raise invalid(
             '"auto" tool choice needs a tool call parser; this gateway runs with --tool-call-parser none',

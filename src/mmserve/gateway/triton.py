@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from mmserve.gateway.errors import (
     timed_out,
     unavailable,
 )
+from mmserve.wire import finish_reason
 
 HEALTH_TIMEOUT_S = 5.0
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
@@ -98,7 +100,7 @@ def delta_from_response(response: Any) -> Delta:
     return Delta(
         text=text or "",
         token_ids=ids,
-        finish_reason=finish or None,
+        finish_reason=finish_reason(finish),
         num_input_tokens=input_tokens,
         num_output_tokens=len(ids) if output_tokens is None else output_tokens,
         logprobs=None if logprobs is None else json.loads(logprobs),
@@ -123,7 +125,7 @@ def _delta_via_as_numpy(result: Any) -> Delta:
     return Delta(
         text=_first(result, "text_output") or "",
         token_ids=token_ids,
-        finish_reason=_first(result, "finish_reason") or None,
+        finish_reason=finish_reason(_first(result, "finish_reason")),
         num_input_tokens=_first(result, "num_input_tokens"),
         num_output_tokens=len(token_ids) if output_tokens is None else int(output_tokens),
         logprobs=None if logprobs is None else json.loads(logprobs),
@@ -296,9 +298,24 @@ class TritonBackend:
         return stream
 
     # -- one request -----------------------------------------------------------------------------
-    async def generate(self, tensors: Mapping[str, np.ndarray], request_id: str) -> AsyncGenerator[Delta, None]:
-        """The model's responses to one request; an error response raises ``APIError``. Closing the
-        iterator before its end cancels the request on the engine."""
+    async def update_adapters(self, update: Mapping[str, Any], operator_key: str | None) -> dict[str, str]:
+        """Change the LoRA adapters ``llm`` serves (its ``lora_adapters`` control request with the
+        operator's key, ``mmserve.serving.lora.parse_update``): those it serves now, name -> folder."""
+        tensors = {
+            "input_ids": np.zeros(0, dtype=np.int64),
+            "lora_adapters": np.array([json.dumps(update).encode()], dtype=np.object_),
+            "operator_key": np.array([(operator_key or "").encode()], dtype=np.object_),
+        }
+        text = ""
+        async for delta in self.generate(tensors, f"lora-{uuid.uuid4().hex}", model=self.llm):
+            text += delta.text
+        return json.loads(text)
+
+    async def generate(
+        self, tensors: Mapping[str, np.ndarray], request_id: str, *, model: str | None = None
+    ) -> AsyncGenerator[Delta, None]:
+        """``model``'s (default: ``self.model``) responses to one request; an error response raises
+        ``APIError``. Closing the iterator before its end cancels the request on the engine."""
         if request_id in self._pending:
             raise internal("a request id in use", RuntimeError(request_id))
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -309,7 +326,9 @@ class TritonBackend:
         cancel_key = new_cancel_key()  # only a cancel that repeats it cancels the request (mm_llm)
         try:
             stream.send(
-                infer_request(self.model, {**tensors, "cancel_key": np.array([cancel_key], np.object_)}, request_id)
+                infer_request(
+                    model or self.model, {**tensors, "cancel_key": np.array([cancel_key], np.object_)}, request_id
+                )
             )
             while True:
                 try:

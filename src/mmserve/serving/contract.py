@@ -16,7 +16,7 @@ repository's config.pbtxt files against this module.
 from __future__ import annotations
 
 from mmserve.families import FAMILIES, FieldSpec
-from mmserve.wire import CANCEL, DRAIN, GENERATION_INPUTS, OPERATOR_KEY, TEXT_INPUT
+from mmserve.wire import CANCEL, DRAIN, GENERATION_INPUTS, LORA_ADAPTERS, OPERATOR_KEY, TEXT_INPUT
 
 INPUT_IDS = FieldSpec(
     "input_ids",
@@ -55,6 +55,7 @@ MM_LLM_INPUTS: tuple[FieldSpec, ...] = (
     *GENERATION_INPUTS,
     CANCEL,
     DRAIN,
+    LORA_ADAPTERS,
     OPERATOR_KEY,
 )
 """What ``mm_llm`` takes, in its config.pbtxt's order: only ``input_ids`` is required."""

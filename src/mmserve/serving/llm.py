@@ -112,6 +112,8 @@ class GenerateRequest:
     """The request's tools (``sampling_parameters``): the engine's constraint of its calls."""
     lora_request: Any = None
     """The adapter that answers (``sampling_parameters``' ``lora_name``): vLLM's ``LoRARequest``; None: the base model."""
+    logprobs_asked: bool = False
+    """``sampling_parameters`` asks for ``logprobs`` (else the ``logprobs`` output is null)."""
 
     @property
     def stream(self) -> bool:
@@ -171,10 +173,13 @@ def parse_request(
     for name in FLAG_INPUTS:
         value = get(name)
         flags[name] = bool(value.reshape(-1)[0]) if value is not None and value.size else False
+    if flags["stream"] and get("exclude_input_in_output") is not None and not flags["exclude_input_in_output"]:
+        # The vLLM backend's rule: a stream sends the generated text only, in deltas.
+        raise RequestError("exclude_input_in_output: When streaming, `exclude_input_in_output` = False is not allowed.")
     sampling = parse_generation_parameters(
         first_string(get("sampling_parameters"), "sampling_parameters"),
         stream=flags["stream"],
-        logprobs=flags["return_logprobs"],
+        cumulative_logprob=flags["return_cumulative_logprob"],
     )
     max_tokens = sampling.params.max_tokens
     if max_model_len is not None and max_tokens is not None and max_tokens > max_model_len:
@@ -190,6 +195,7 @@ def parse_request(
         stream_flush_ms=sampling.stream_flush_ms,
         tool_calling=sampling.tool_calling,
         lora_request=(adapters or Adapters({})).resolve(sampling.lora_name),
+        logprobs_asked=sampling.logprobs_asked,
     )
 
 
@@ -232,19 +238,24 @@ def response_tensors(request: GenerateRequest, output: RequestOutput) -> dict[st
         "output_ids": np.asarray(completion.token_ids, dtype=np.int64),
     }
     flags = request.flags
+    # As Triton's vLLM backend answers: finish_reason "None" before the last response, the
+    # output's cumulative logprob so far, logprobs null unless sampling_parameters asked for them.
     if flags["return_finish_reason"]:
-        reason = completion.finish_reason or ""
-        tensors["finish_reason"] = np.array([str(reason).encode()], dtype=np.object_)
+        tensors["finish_reason"] = np.array([str(completion.finish_reason).encode()], dtype=np.object_)
     if flags["return_cumulative_logprob"]:
-        tensors["cumulative_logprob"] = np.array([completion.cumulative_logprob or 0.0], dtype=np.float32)
+        tensors["cumulative_logprob"] = np.array([completion.cumulative_logprob], dtype=np.float32)
     if flags["return_logprobs"]:
-        logprobs = [
-            {
-                str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-                for token, lp in step.items()
-            }
-            for step in (completion.logprobs or [])
-        ]
+        logprobs = (
+            [
+                {
+                    str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                    for token, lp in step.items()
+                }
+                for step in (completion.logprobs or [])
+            ]
+            if request.logprobs_asked
+            else None
+        )
         tensors["logprobs"] = np.array([json.dumps(logprobs).encode()], dtype=np.object_)
     if output.prompt_logprobs:  # asked for (sampling_parameters.prompt_logprobs): the first output has them
         tensors["prompt_logprobs"] = np.array(
@@ -333,13 +344,13 @@ class LLMService:
         adapters: Adapters | None = None,
     ) -> None:
         self.runner = runner
-        self.adapters = adapters or Adapters({})
-        for adapter in self.adapters.by_name.values():  # loaded now: vLLM checks each against the model
-            try:
-                runner.submit(runner.engine.add_lora(adapter.request())).result()
-            except Exception as exc:
-                runner.shutdown()
-                raise AdapterError(f"adapter {adapter.name!r} ({adapter.path}): the engine refused it: {exc}") from None
+        self.adapters = Adapters({})  # replaced whole by an update: a request reads one set
+        self._adapters_lock = threading.Lock()  # one update at a time
+        try:
+            self.update_adapters(adapters or Adapters({}))  # loaded now: vLLM checks each against the model
+        except AdapterError:
+            runner.shutdown()
+            raise
         self.stream_flush_ms = stream_flush_ms
         self.family = family_of_checkpoint(runner.engine_args["model"])
         self.wire_decoders = self.family.wire_decoders(runner.engine_args["model"])
@@ -369,6 +380,21 @@ class LLMService:
         engine_args = {k: v for k, v in config.engine_args.items() if k != "model"}
         runner = EngineRunner(config.model, stat_loggers=stat_loggers, **engine_args)
         return cls(runner, adapters=config.adapters, **kwargs)
+
+    def update_adapters(self, adapters: Adapters) -> Adapters:
+        """Serve ``adapters`` (``Adapters.updated``) from now on: each new one is loaded into the
+        engine first (``AdapterError`` naming the first it refuses; then nothing changes); requests
+        in flight keep theirs. Returns the set served."""
+        with self._adapters_lock:
+            for adapter in self.adapters.new_in(adapters):
+                try:
+                    self.runner.submit(self.runner.engine.add_lora(adapter.request())).result()
+                except Exception as exc:  # noqa: BLE001 - vLLM's reasons are many; each is the adapter's
+                    raise AdapterError(
+                        f"adapter {adapter.name!r} ({adapter.path}): the engine refused it: {exc}"
+                    ) from None
+            self.adapters = adapters
+            return adapters
 
     # -- state ---------------------------------------------------------------------------------
     def note_progress(self) -> None:

@@ -11,6 +11,13 @@ Every adapter is checked when the model loads (a PEFT LoRA folder, its rank with
 ``max_lora_rank``), then loaded into the engine (``AsyncLLM.add_lora``: vLLM checks its modules
 against the model's): a bad one fails the load with its name and the reason. A request's unknown
 ``lora_name`` is refused before the engine, naming it.
+
+While serving, the operator changes the set (``parse_update``: a control request to ``mm_llm``
+with the operator's key, or the gateway's ``/v1/load_lora_adapter``): adapters are loaded into the
+engine before any request may name them, and one no longer served is refused to new requests while
+those in flight on it finish (as ``vllm serve`` unloads one: the engine's LRU of
+``max_cpu_loras`` drops its weights later). An adapter keeps its id while its folder does; a new
+folder under an old name gets a new id, so no KV block computed with other weights is reused.
 """
 
 from __future__ import annotations
@@ -50,17 +57,28 @@ class Adapter:
 
 @dataclass(frozen=True)
 class Adapters:
-    """The adapters a model serves (none: LoRA off)."""
+    """The adapters a model serves (none: LoRA off). Immutable: an update makes a new set."""
 
     by_name: Mapping[str, Adapter]
     enabled: bool = False
+    model_dir: Path = Path()
+    """Where ``multi_lora.json`` lies, and what a relative folder is read from."""
+    max_rank: int = DEFAULT_MAX_LORA_RANK
+    next_id: int = 1
+    """The id the next new adapter gets: ids are never reused."""
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, engine_args: Mapping[str, Any]) -> Adapters:
         """``model_dir``'s ``multi_lora.json`` where ``engine_args`` (``model.json``) enable LoRA."""
         if str(engine_args.get("enable_lora", False)).lower() != "true":
             return cls({})
-        file = Path(model_dir) / MULTI_LORA_FILE
+        max_rank = int(engine_args.get("max_lora_rank", DEFAULT_MAX_LORA_RANK))
+        empty = cls({}, enabled=True, model_dir=Path(model_dir), max_rank=max_rank)
+        return empty.updated(empty.read_file())
+
+    def read_file(self) -> dict[str, str]:
+        """``multi_lora.json``'s entries, name -> folder."""
+        file = self.model_dir / MULTI_LORA_FILE
         if not file.is_file():
             raise AdapterError(
                 f"{file}: enable_lora is set in model.json, and this file naming the adapters is missing"
@@ -71,14 +89,35 @@ class Adapters:
             raise AdapterError(f"{file}: not valid JSON ({exc})") from None
         if not isinstance(entries, dict) or not all(isinstance(v, str) for v in entries.values()):
             raise AdapterError(f'{file}: expected an object of adapter names to folders ({{"name": "/path"}})')
-        max_rank = int(engine_args.get("max_lora_rank", DEFAULT_MAX_LORA_RANK))
-        adapters = {}
-        for index, (name, folder) in enumerate(entries.items(), start=1):
+        return entries
+
+    def updated(self, entries: Mapping[str, str]) -> Adapters:
+        """The set that serves exactly ``entries`` (name -> folder), each checked: an adapter whose
+        folder is unchanged keeps its id, any other gets a new one. ``AdapterError`` naming the
+        first bad one (nothing changes)."""
+        adapters: dict[str, Adapter] = {}
+        next_id = self.next_id
+        for name, folder in entries.items():
             if not name or len(name) > MAX_LORA_NAME_CHARS:
-                raise AdapterError(f"{file}: adapter names are 1 to {MAX_LORA_NAME_CHARS} characters, found {name!r}")
-            path = Path(folder) if Path(folder).is_absolute() else Path(model_dir) / folder
-            adapters[name] = Adapter(name, path.resolve(), _rank(name, path, max_rank), index)
-        return cls(adapters, enabled=True)
+                raise AdapterError(f"adapter names are 1 to {MAX_LORA_NAME_CHARS} characters, found {_show(name)}")
+            path = (Path(folder) if Path(folder).is_absolute() else self.model_dir / folder).resolve()
+            rank = _rank(name, path, self.max_rank)
+            kept = self.by_name.get(name)
+            if kept is not None and kept.path == path:
+                adapters[name] = Adapter(name, path, rank, kept.lora_id)
+            else:
+                adapters[name] = Adapter(name, path, rank, next_id)
+                next_id += 1
+        return Adapters(adapters, True, self.model_dir, self.max_rank, next_id)
+
+    def new_in(self, other: Adapters) -> list[Adapter]:
+        """``other``'s adapters that this set does not serve (by id): those the engine must load."""
+        ids = {adapter.lora_id for adapter in self.by_name.values()}
+        return [adapter for adapter in other.by_name.values() if adapter.lora_id not in ids]
+
+    def listing(self) -> dict[str, str]:
+        """name -> folder, as ``multi_lora.json`` says it."""
+        return {name: str(adapter.path) for name, adapter in self.by_name.items()}
 
     def resolve(self, name: str | None) -> Any:
         """The engine's ``LoRARequest`` for a request's ``lora_name`` (None: the base model)."""
@@ -99,6 +138,50 @@ class Adapters:
 
     def __len__(self) -> int:
         return len(self.by_name)
+
+
+MAX_UPDATE_CHARS = 1 << 16
+"""The longest update (JSON) an operator sends: thousands of adapters."""
+
+
+def parse_update(adapters: Adapters, text: str) -> dict[str, str]:
+    """An operator's update of the adapters served -> the entries to serve (``Adapters.updated``).
+
+    ``{"load": {"name": "/folder", ...}}`` adds or replaces adapters; ``{"unload": ["name", ...]}``
+    stops serving them (an unknown name is refused); ``{"reload": true}`` serves what
+    ``multi_lora.json`` says now (the change that outlives a restart of the model). ``InputError``
+    naming what is wrong."""
+    prefix = "lora_adapters: "
+    if not adapters.enabled:
+        raise InputError(f"{prefix}this model serves no LoRA adapters (enable_lora is off in its model.json)")
+    if len(text) > MAX_UPDATE_CHARS:
+        raise InputError(f"{prefix}expected at most {MAX_UPDATE_CHARS} characters of JSON, found {len(text)}")
+    try:
+        update = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise InputError(f"{prefix}invalid JSON ({exc})") from None
+    if not isinstance(update, dict) or len(update) != 1 or next(iter(update)) not in ("load", "unload", "reload"):
+        raise InputError(
+            f'{prefix}expected one of {{"load": {{name: folder}}}}, {{"unload": [name]}}, {{"reload": true}}'
+        )
+    (action, value), current = next(iter(update.items())), adapters.listing()
+    if action == "reload":
+        if value is not True:
+            raise InputError(f"{prefix}reload: expected true, found {value!r}")
+        try:
+            return adapters.read_file()
+        except AdapterError as exc:
+            raise InputError(f"{prefix}{exc}") from None
+    if action == "load":
+        if not isinstance(value, dict) or not value or not all(isinstance(v, str) for v in value.values()):
+            raise InputError(f"{prefix}load: expected a non-empty object of adapter names to folders")
+        return {**current, **value}
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise InputError(f"{prefix}unload: expected a non-empty list of adapter names")
+    unknown = [name for name in value if name not in current]
+    if unknown:
+        raise InputError(f"{prefix}unload: {', '.join(map(_show, unknown))} not served (it serves {sorted(current)})")
+    return {name: folder for name, folder in current.items() if name not in value}
 
 
 def _rank(name: str, path: Path, max_rank: int) -> int:

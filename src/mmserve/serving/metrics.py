@@ -137,20 +137,16 @@ class TritonMetrics:
             self._families.append(family(name=name, description=description, kind=kind))
             return self._families[-1].Metric(labels=labels, **kwargs)
 
-        def per_adapter(name: str, description: str, kind: Any) -> dict[str, Any]:
-            if not adapters:
-                return {}
-            self._families.append(family(name=name, description=description, kind=kind))
-            return {adapter: self._families[-1].Metric(labels={**labels, "lora_name": adapter}) for adapter in adapters}
-
-        self.lora_requests = per_adapter(
-            "mmserve:lora_requests_total", "Requests that named this LoRA adapter.", family.COUNTER
-        )
-        self.lora_running = per_adapter("vllm:lora_requests_running", "Requests running on this adapter.", family.GAUGE)
-        self.lora_waiting = per_adapter(
-            "vllm:lora_requests_waiting", "Requests waiting for this adapter.", family.GAUGE
-        )
+        # Per adapter (label lora_name), made as adapters come (add_adapters); each table is replaced
+        # whole, never changed in place: the metrics' thread reads them meanwhile.
+        self._pb_family, self._labels = family, labels
+        self._lora_families: dict[str, Any] = {}
+        self._lora_lock = threading.Lock()
+        self.lora_requests: dict[str, Any] = {}
+        self.lora_running: dict[str, Any] = {}
+        self.lora_waiting: dict[str, Any] = {}
         self._lora_gauges: dict[str, tuple[int, int]] = {}  # adapter -> (running, waiting) as last set
+        self.add_adapters(adapters)
 
         self.prompt_tokens = metric("vllm:prompt_tokens_total", "Number of prefill tokens processed.", family.COUNTER)
         self.generation_tokens = metric(
@@ -187,6 +183,31 @@ class TritonMetrics:
             family.HISTOGRAM,
             buckets=E2E_BUCKETS,
         )
+
+    def add_adapters(self, adapters: Sequence[str]) -> None:
+        """The per-adapter metrics of each of ``adapters`` not yet counted (an adapter no longer
+        served keeps its: its count stays)."""
+        family = self._pb_family
+        with self._lora_lock:
+            for attribute, name, description, kind in (
+                (
+                    "lora_requests",
+                    "mmserve:lora_requests_total",
+                    "Requests that named this LoRA adapter.",
+                    family.COUNTER,
+                ),
+                ("lora_running", "vllm:lora_requests_running", "Requests running on this adapter.", family.GAUGE),
+                ("lora_waiting", "vllm:lora_requests_waiting", "Requests waiting for this adapter.", family.GAUGE),
+            ):
+                table: dict[str, Any] = getattr(self, attribute)
+                new = [adapter for adapter in adapters if adapter not in table]
+                if not new:
+                    continue
+                if name not in self._lora_families:
+                    self._lora_families[name] = family(name=name, description=description, kind=kind)
+                    self._families.append(self._lora_families[name])
+                made = {a: self._lora_families[name].Metric(labels={**self._labels, "lora_name": a}) for a in new}
+                setattr(self, attribute, {**table, **made})
 
     def adapter_request(self, adapter: str) -> None:
         """A request named ``adapter`` (counted on the metrics' thread)."""

@@ -165,19 +165,25 @@ class GenerationParameters:
     stream_flush_ms: float | None = None
     tool_calling: ToolCalling | None = None
     lora_name: str | None = None
+    logprobs_asked: bool = False
+    """The client's ``logprobs`` was given (``params.logprobs`` may be set for the cumulative logprob alone)."""
 
 
-def parse_sampling_parameters(text: str | None, *, stream: bool, logprobs: bool) -> SamplingParams:
+def parse_sampling_parameters(text: str | None, *, stream: bool, cumulative_logprob: bool = False) -> SamplingParams:
     """``sampling_parameters`` JSON -> ``SamplingParams`` (``parse_generation_parameters``' vLLM part)."""
-    return parse_generation_parameters(text, stream=stream, logprobs=logprobs).params
+    return parse_generation_parameters(text, stream=stream, cumulative_logprob=cumulative_logprob).params
 
 
-def parse_generation_parameters(text: str | None, *, stream: bool, logprobs: bool) -> GenerationParameters:
+def parse_generation_parameters(
+    text: str | None, *, stream: bool, cumulative_logprob: bool = False
+) -> GenerationParameters:
     """``sampling_parameters`` JSON -> ``SamplingParams`` that the engine can carry, and this
     server's own fields (``EXTENSIONS``).
 
-    ``stream`` picks the output kind (DELTA, else FINAL_ONLY); ``logprobs`` (the request asks for
-    them) sets ``logprobs`` to 1 unless the client chose a number. Raises ``InputError``.
+    ``stream`` picks the output kind (DELTA, else FINAL_ONLY); ``cumulative_logprob`` (the request
+    asks for it) has the engine compute the sampled tokens' logprobs (``logprobs`` 0) unless the
+    client asked for some: vLLM sums only what it computes. ``logprobs_asked`` says whether the
+    client did. Raises ``InputError``.
     """
     try:
         raw = json.loads(text) if text else {}
@@ -208,8 +214,9 @@ def parse_generation_parameters(text: str | None, *, stream: bool, logprobs: boo
         kwargs["logit_bias"] = _logit_bias(fields.logit_bias)
     if isinstance(fields.structured_outputs, StructuredOutputs):
         kwargs["structured_outputs"] = _structured_outputs(fields.structured_outputs)
-    if logprobs and kwargs.get("logprobs") is None:
-        kwargs["logprobs"] = 1
+    logprobs_asked = kwargs.get("logprobs") is not None
+    if cumulative_logprob and not logprobs_asked:
+        kwargs["logprobs"] = 0
     kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
         params = SamplingParams(**kwargs)
@@ -218,7 +225,9 @@ def parse_generation_parameters(text: str | None, *, stream: bool, logprobs: boo
     except Exception as exc:  # last resort: whatever else vLLM raises here is about these values
         raise InputError(f"{PREFIX}{type(exc).__name__}: {exc}") from None
     check_engine_transport(params)
-    return GenerationParameters(params, fields.stream_flush_ms, _tool_calling(fields, raw), fields.lora_name)
+    return GenerationParameters(
+        params, fields.stream_flush_ms, _tool_calling(fields, raw), fields.lora_name, logprobs_asked
+    )
 
 
 def _check_values(fields: SamplingParameters, raw: dict[str, Any]) -> None:
