@@ -47,7 +47,9 @@ def _documents(path: Path) -> list[dict]:
 
 
 def _manifest_files() -> list[Path]:
-    return sorted(p for pattern in ("*.yaml", "*.yml") for p in DEPLOY.rglob(pattern))
+    return sorted(
+        p for pattern in ("*.yaml", "*.yml") for p in KUBERNETES.rglob(pattern)
+    )  # deploy/compose*.yaml: Compose's
 
 
 def _resources() -> list[tuple[str, dict]]:

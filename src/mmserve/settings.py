@@ -127,6 +127,14 @@ RUNTIME_LORA_UPDATING = EnvVar(
     "mmserve.gateway.__main__",
 )
 
+CONTAINER_TESTS = EnvVar(
+    "MMSERVE_CONTAINER_TESTS",
+    None,
+    "`1`: the test suite builds the CPU image and runs the container tests (tests/test_container.py; a Docker "
+    "engine, started as root when none answers); otherwise they are skipped with this reason",
+    "tests/test_container.py",
+)
+
 ALL: tuple[EnvVar, ...] = (
     MODEL,
     OPENAI_API_KEY,
