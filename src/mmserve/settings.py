@@ -135,6 +135,22 @@ CONTAINER_TESTS = EnvVar(
     "tests/test_container.py",
 )
 
+COMPOSE_IMAGE = EnvVar(
+    "MMSERVE_IMAGE",
+    "mmserve-cpu",
+    "the image deploy/compose.yaml runs (scripts/build_image.sh's tag)",
+    "deploy/compose.yaml",
+)
+COMPOSE_BIND = EnvVar(
+    "MMSERVE_BIND",
+    "0.0.0.0",
+    "the address deploy/compose.yaml publishes the OpenAI gateway on (127.0.0.1: this machine only)",
+    "deploy/compose.yaml",
+)
+COMPOSE_OPENAI_PORT = EnvVar(
+    "MMSERVE_OPENAI_PORT", "9000", "the port deploy/compose.yaml publishes the OpenAI gateway on", "deploy/compose.yaml"
+)
+
 ALL: tuple[EnvVar, ...] = (
     MODEL,
     OPENAI_API_KEY,
@@ -149,4 +165,8 @@ ALL: tuple[EnvVar, ...] = (
     VENV,
     PYTHON,
     TORCH_SPEC,
+    CONTAINER_TESTS,
+    COMPOSE_IMAGE,
+    COMPOSE_BIND,
+    COMPOSE_OPENAI_PORT,
 )
