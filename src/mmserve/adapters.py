@@ -37,14 +37,19 @@ def update_adapters(
     environment's): the adapters served now, name -> folder. ``ClientError`` with the server's reason
     when refused."""
     key = operator_key if operator_key is not None else operator.key_from_environment()
+    with MMClient(url, timeout=timeout_s).start_tensors(update_tensors(update, key), model=llm) as generation:
+        return json.loads("".join(result.text for result in generation))
+
+
+def update_tensors(update: Mapping[str, Any], operator_key: str | None) -> dict[str, np.ndarray]:
+    """``mm_llm``'s ``lora_adapters`` control request for ``update`` (the key left out when empty)."""
     tensors = {
         "input_ids": np.zeros(0, dtype=np.int64),
         "lora_adapters": np.array([json.dumps(update).encode()], dtype=np.object_),
     }
-    if key:
-        tensors["operator_key"] = np.array([key.encode()], dtype=np.object_)
-    with MMClient(url, timeout=timeout_s).start_tensors(tensors, model=llm) as generation:
-        return json.loads("".join(result.text for result in generation))
+    if operator_key:
+        tensors["operator_key"] = np.array([operator_key.encode()], dtype=np.object_)
+    return tensors
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -301,13 +301,12 @@ class TritonBackend:
     async def update_adapters(self, update: Mapping[str, Any], operator_key: str | None) -> dict[str, str]:
         """Change the LoRA adapters ``llm`` serves (its ``lora_adapters`` control request with the
         operator's key, ``mmserve.serving.lora.parse_update``): those it serves now, name -> folder."""
-        tensors = {
-            "input_ids": np.zeros(0, dtype=np.int64),
-            "lora_adapters": np.array([json.dumps(update).encode()], dtype=np.object_),
-            "operator_key": np.array([(operator_key or "").encode()], dtype=np.object_),
-        }
+        from mmserve.adapters import update_tensors
+
         text = ""
-        async for delta in self.generate(tensors, f"lora-{uuid.uuid4().hex}", model=self.llm):
+        async for delta in self.generate(
+            update_tensors(update, operator_key), f"lora-{uuid.uuid4().hex}", model=self.llm
+        ):
             text += delta.text
         return json.loads(text)
 
