@@ -6,7 +6,7 @@
 # Where pip reaches its packages through this machine's own settings (a find-links folder, local
 # indexes, a CA bundle: `pip config list`), they are served to the build on 127.0.0.1 for the build
 # stage only (the build runs with --network host); nothing of them lands in the image. A second build
-# reuses the layer cache. Prints the build's time and the image's size.
+# reuses the layer cache (the build stage is kept as mmserve-cpu-build). Prints the build's time and the image's size.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -91,7 +91,13 @@ fi
 
 echo "[build_image] building $tag from $base${build_args[*]:+ (${build_args[*]})}"
 started=$(date +%s)
-docker build --network host -f docker/Dockerfile.cpu --build-arg "BASE_IMAGE=$base" "${build_args[@]}" -t "$tag" .
+# The build stage gets a tag of its own (mmserve-cpu-build): the layer cache of the environment outlives
+# the prune below, which removes the project's dangling images (earlier builds' leftovers, GiBs each).
+for target in build final; do
+  if [[ $target == build ]]; then out=(--target build -t mmserve-cpu-build); else out=(-t "$tag"); fi
+  docker build --network host -f docker/Dockerfile.cpu --build-arg "BASE_IMAGE=$base" "${build_args[@]}" "${out[@]}" .
+done
 took=$(($(date +%s) - started))
+docker image prune -f --filter label=dev.mmserve.project=mmserve > /dev/null
 size=$(docker image inspect -f '{{.Size}}' "$tag")
 echo "[build_image] $tag built in ${took} s; $((size / 1024 / 1024)) MiB"

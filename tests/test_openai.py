@@ -38,10 +38,12 @@ from utils import (
     STRUCTURED,
     STRUCTURED_MAX_TOKENS,
     STRUCTURED_REFERENCES,
+    Relay,
     assert_cancel_stopped_the_engine,
     assert_meets_constraint,
     assert_prompt_logprobs_equal,
     generated_after_cancel,
+    wait_for,
 )
 from utils import client as triton_client
 from utils import sampling as _sampling
@@ -564,6 +566,41 @@ def test_unreachable_triton_gives_503(tmp_path):
         assert str(nothing) not in info.value.message
         status, body = _get(f"{gateway.url}/health")
         assert status == 503 and body["error"]["code"] == "service_unavailable"
+    finally:
+        gateway.stop()
+
+
+def test_a_triton_that_comes_back_is_served_again(server, tmp_path):
+    """A gateway whose Triton is away answers 503 (health and requests) for a while; once Triton
+    answers on its address again (a relay to the live server), /health turns 200 and the next
+    request is served (the health check asks on the channel the requests use, whose reconnect backoff
+    is 5 s at most). Triton gone again: 503 again."""
+    import openai
+
+    from mmserve_dev.triton import free_ports
+
+    (port,) = free_ports(1)
+    gateway = Gateway(f"127.0.0.1:{port}", tmp_path / "gateway.log")
+    sdk = gateway.sdk()
+    messages: Any = [{"role": "user", "content": "Hi"}]
+    try:
+        away = time.monotonic() + 15  # several failed connects: the channel backs off
+        while time.monotonic() < away:
+            assert _get(f"{gateway.url}/health")[0] == 503
+            with pytest.raises(openai.APIStatusError) as info:
+                sdk.chat.completions.create(model="mm_ensemble", messages=messages, max_tokens=1)
+            assert info.value.status_code == 503
+            time.sleep(1)
+        relay = Relay(port, server.grpc)
+        try:
+            back = time.monotonic()
+            assert wait_for(lambda: _get(f"{gateway.url}/health")[0] == 200, timeout=60, interval=0.25)
+            print(f"served again {time.monotonic() - back:.1f} s after Triton came back")
+            reply = sdk.chat.completions.create(model="mm_ensemble", messages=messages, max_tokens=2, temperature=0.0)
+            assert reply.choices[0].finish_reason == "length"
+        finally:
+            relay.close()
+        assert wait_for(lambda: _get(f"{gateway.url}/health")[0] == 503, timeout=30)
     finally:
         gateway.stop()
 

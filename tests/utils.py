@@ -478,6 +478,54 @@ def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.
     return True
 
 
+class Relay:
+    """A TCP relay on 127.0.0.1:``port`` to ``target`` (``host:port``), in threads: a server that
+    "comes back" on an address its clients already knew (a restarted Triton). ``close()`` drops every
+    connection, as a server that went away does."""
+
+    def __init__(self, port: int, target: str) -> None:
+        import socket
+
+        host, target_port = target.rsplit(":", 1)
+        self._target = (host, int(target_port))
+        self._listener = socket.create_server(("127.0.0.1", port))
+        self._sockets: list[Any] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                inside, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            outside = socket.create_connection(self._target)
+            with self._lock:
+                self._sockets += [inside, outside]
+            for source, sink in ((inside, outside), (outside, inside)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: Any, sink: Any) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(2)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(2)  # wakes the accepting thread (close alone would not, on Linux)
+        self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(2)
+                sock.close()
+
+
 ENGINE_FIGURES = (
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",

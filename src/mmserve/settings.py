@@ -130,8 +130,9 @@ RUNTIME_LORA_UPDATING = EnvVar(
 CONTAINER_TESTS = EnvVar(
     "MMSERVE_CONTAINER_TESTS",
     None,
-    "`1`: the test suite builds the CPU image and runs the container tests (tests/test_container.py; a Docker "
-    "engine, started as root when none answers); otherwise they are skipped with this reason",
+    "the container tests (tests/test_container.py: the CPU image built and run on a Docker engine, the one "
+    "that answers or one started as root): unset, they run where an engine answers or can be started and are "
+    "skipped with the reason elsewhere; `0`: skipped; `1`: required (no engine fails them)",
     "tests/test_container.py",
 )
 
@@ -149,6 +150,14 @@ COMPOSE_BIND = EnvVar(
 )
 COMPOSE_OPENAI_PORT = EnvVar(
     "MMSERVE_OPENAI_PORT", "9000", "the port deploy/compose.yaml publishes the OpenAI gateway on", "deploy/compose.yaml"
+)
+COMPOSE_TRITON_CPUS = EnvVar(
+    "MMSERVE_TRITON_CPUS",
+    "0",
+    "the CPU limit of deploy/compose.yaml's Triton container (docker's --cpus; 0: none). A CPU engine beside "
+    "its gateway on one host: the host's cores minus a half, so that the gateway is never starved "
+    '(docs/DEPLOYMENT.md, "CPU engines: one scheduling group")',
+    "deploy/compose.yaml",
 )
 
 ALL: tuple[EnvVar, ...] = (
@@ -169,4 +178,5 @@ ALL: tuple[EnvVar, ...] = (
     COMPOSE_IMAGE,
     COMPOSE_BIND,
     COMPOSE_OPENAI_PORT,
+    COMPOSE_TRITON_CPUS,
 )

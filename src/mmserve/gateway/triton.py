@@ -33,8 +33,18 @@ from mmserve.gateway.errors import (
 from mmserve.wire import finish_reason
 
 HEALTH_TIMEOUT_S = 5.0
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
-"""As tritonclient sets them: a request carries its media (up to the gateway's --max-request-bytes)."""
+RECONNECT_BACKOFF_MS = (500, 5000)
+"""The channel's first and longest wait before it connects again to a Triton that went away (gRPC's
+defaults, 1 s growing to 120 s, left the gateway answering 503 for up to two minutes after a
+restarted Triton was ready). A Triton that comes back under a new address (a container restarted on
+its network) is found by the name resolver's retry."""
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 2**31 - 1),  # as tritonclient sets them: a request carries its
+    ("grpc.max_receive_message_length", 2**31 - 1),  # media (up to the gateway's --max-request-bytes)
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+    ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+]
 
 
 @dataclass
@@ -254,7 +264,6 @@ class TritonBackend:
             raise ValueError(f"streams: expected at least 1, found {streams}")
         self.url, self.model, self.llm = url, model, llm
         self.response_timeout_s = response_timeout_s
-        self._client: Any = None  # tritonclient's, for health
         self._channel: Any = None
         self._stub: Any = None
         self._streams: list[_Stream | None] = [None] * streams
@@ -263,10 +272,8 @@ class TritonBackend:
 
     async def start(self) -> None:
         import grpc
-        import tritonclient.grpc.aio as grpcclient
         from tritonclient.grpc import service_pb2_grpc
 
-        self._client = grpcclient.InferenceServerClient(self.url)
         self._channel = grpc.aio.insecure_channel(self.url, options=CHANNEL_OPTIONS)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
@@ -276,14 +283,17 @@ class TritonBackend:
         if self._channel is not None:
             channel, self._channel = self._channel, None
             await channel.close()
-        if self._client is not None:
-            client, self._client = self._client, None
-            await client.close()
 
     async def ready(self) -> None:
-        """Return if Triton serves ``model`` now, else raise ``APIError`` (503)."""
+        """Return if Triton serves ``model`` now, else raise ``APIError`` (503). Asked on the channel
+        the requests use: ready means they get through too."""
+        from tritonclient.grpc import service_pb2
+
         try:
-            ready = await self._client.is_model_ready(self.model, client_timeout=HEALTH_TIMEOUT_S)
+            reply = await self._stub.ModelReady(
+                service_pb2.ModelReadyRequest(name=self.model), timeout=HEALTH_TIMEOUT_S
+            )
+            ready = reply.ready
         except Exception as exc:  # noqa: BLE001 - any failure to ask means: not available
             raise _grpc_error(exc) if _is_grpc(exc) else unavailable(f"Triton is unavailable ({exc})") from None
         if not ready:
