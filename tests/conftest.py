@@ -60,6 +60,26 @@ def omni_workload(omni_reference) -> list[tuple[Request, list[int]]]:
     return workload
 
 
+# -- the test process's scheduling policy ---------------------------------------------------------------
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """After every test: the process still runs under the normal policy (SCHED_OTHER), else the test
+    is named in a warning and the policy restored. One CI run found this process SCHED_FIFO 99 after
+    some test: every process it started from then on inherited it (an engine core, then dockerd and
+    docker-untar, which spun at real-time priority and never ended the image build)."""
+    yield
+    if os.sched_getscheduler(0) != os.SCHED_OTHER:
+        import warnings
+
+        policy, priority = os.sched_getscheduler(0), os.sched_getparam(0).sched_priority
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        warnings.warn(
+            f"{item.nodeid} left this process under scheduling policy {policy} (priority {priority}): restored",
+            stacklevel=1,
+        )
+        print(f"\n[conftest] {item.nodeid} left the scheduling policy {policy}/{priority}; restored", flush=True)
+
+
 # -- the live server (its helpers: utils.py) --------------------------------------------------------
 def pytest_collection_modifyitems(config, items):
     """Server tests run last, so that the session's one server (and its engine) never overlaps the
