@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import shutil
 import subprocess
@@ -63,7 +64,20 @@ def video_file(
     options: dict[str, str] | None = None,
 ) -> bytes:
     """``frames`` (RGB, frames x height x width x 3) encoded with ``codec`` in container ``fmt``;
-    ``audio_codec``: a 1-s 16 kHz mono track beside them."""
+    ``audio_codec``: a 1-s 16 kHz mono track beside them. The SVT-AV1 encoder (``libsvtav1``) sets the
+    calling thread to SCHED_FIFO 99 when run as root: the policy is put back after encoding, so that
+    nothing this process starts later inherits it (the server decodes AV1 with libdav1d, which leaves
+    the policy alone)."""
+    try:
+        return _encoded(frames, codec, fmt, fps, audio_codec, options)
+    finally:
+        if os.sched_getscheduler(0) != os.SCHED_OTHER:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+
+def _encoded(
+    frames: np.ndarray, codec: str, fmt: str, fps: int, audio_codec: str | None, options: dict[str, str] | None
+) -> bytes:
     import av
 
     out = io.BytesIO()
