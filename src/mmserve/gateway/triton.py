@@ -34,10 +34,10 @@ from mmserve.wire import finish_reason
 
 HEALTH_TIMEOUT_S = 5.0
 RECONNECT_BACKOFF_MS = (500, 5000)
-"""The channel's first and longest wait before it connects again to a Triton that went away (gRPC's
-defaults, 1 s growing to 120 s, left the gateway answering 503 for up to two minutes after a
-restarted Triton was ready). A Triton that comes back under a new address (a container restarted on
-its network) is found by the name resolver's retry."""
+"""The channel's first and longest wait before it connects again to a Triton that went away: a Triton
+that is back is found within 5 s (gRPC's defaults, 1 s growing to 120 s, bound that wait by two
+minutes after a long absence). A Triton that comes back under a new address (a container restarted
+on its network) is found by the name resolver's retry."""
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 2**31 - 1),  # as tritonclient sets them: a request carries its
     ("grpc.max_receive_message_length", 2**31 - 1),  # media (up to the gateway's --max-request-bytes)
