@@ -9,6 +9,7 @@ import base64
 import dataclasses
 import ipaddress
 import json
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -646,6 +647,9 @@ def test_the_launcher_passes_the_key_in_the_environment_not_on_a_command_line(mo
         command_line = Path(f"/proc/{gateway.pid}/cmdline").read_bytes()
         # the engine's own media limits, counted before anything is fetched
         assert b'--limit-mm-per-prompt\x00{"image": 4, "audio": 2, "video": 1}' in command_line, command_line
+        # the served checkpoint: text-only requests skip preprocess (mmserve.gateway.direct)
+        served_model = os.environ.get(settings.MODEL.name) or str(repository.parent / "models" / "qwen2_5_omni")
+        assert f"--tokenizer\0{served_model}\0".encode() in command_line, command_line
         environment = Path(f"/proc/{gateway.pid}/environ").read_bytes().split(b"\0")
         assert b"mmserve.gateway" in command_line and KEY.encode() not in command_line
         assert f"{settings.OPENAI_API_KEY.name}={KEY}".encode() in environment
@@ -1359,7 +1363,7 @@ class FakeBackend:
         if self.ready_error:
             raise self.ready_error
 
-    async def generate(self, tensors, request_id):
+    async def generate(self, tensors, request_id, model=None):
         self.requests.append(dict(tensors))
         try:
             if self.error:
@@ -1424,7 +1428,7 @@ class ChoicesBackend(FakeBackend):
 
     completed = 0  # requests answered to their end
 
-    async def generate(self, tensors, request_id):
+    async def generate(self, tensors, request_id, model=None):
         self.requests.append(dict(tensors))
         times = int(request_id.rsplit("-", 1)[1]) + 1
         try:
@@ -1473,7 +1477,7 @@ def test_an_error_on_one_choice_ends_the_others(gateway):
     import openai
 
     class OneFails(ChoicesBackend):
-        async def generate(self, tensors, request_id):
+        async def generate(self, tensors, request_id, model=None):
             if request_id.endswith("-1"):
                 self.requests.append(dict(tensors))
                 raise errors.from_triton("[INVALID_ARG] sampling_parameters: bad")
@@ -1537,7 +1541,7 @@ def test_error_after_the_first_token_is_an_error_event(gateway):
     import openai
 
     class Failing(FakeBackend):
-        async def generate(self, tensors, request_id):
+        async def generate(self, tensors, request_id, model=None):
             yield STREAM[0]
             raise errors.from_triton("[UNAVAILABLE] the engine died")
 
@@ -1870,3 +1874,70 @@ def test_a_lora_adapter_is_a_model(gateway):
     assert reply.status_code == 404 and "and its LoRA adapters ['sql', 'chat']" in reply.json()["error"]["message"]
     config, _ = config_from_args(["--lora-modules", "sql=/adapters/sql", "chat", "sql"])
     assert config.lora_modules == ("sql", "chat")
+
+
+# -- text without the hop: the check (mmserve.gateway.direct) ------------------------------------------
+class PreprocessBackend:
+    """Triton's side of the direct path's check: ``preprocess``'s parameters, and its answer to the
+    probes from ``answer`` (a function of the tensors) or ``APIError`` when ``down``."""
+
+    def __init__(self, answer, parameters=None, down=False) -> None:
+        self.answer, self.parameters, self.down = answer, parameters or {"max_messages": "64"}, down
+        self.asked: list[str] = []
+
+    async def model_parameters(self, model):
+        self.asked.append(model)
+        if self.down:
+            raise errors.unavailable("the model server is unavailable (UNAVAILABLE); retry later")
+        return self.parameters
+
+    async def infer(self, model, tensors, outputs):
+        return {"input_ids": self.answer(tensors)}
+
+
+@pytest.mark.parametrize(
+    "answer, state",
+    [("same", "on"), ("one token more", "off")],
+)
+def test_the_direct_path_is_on_only_with_preprocess_ids(tiny_models, answer, state):
+    """The gateway's preprocessor (the served checkpoint, preprocess's parameters) must give the ids
+    Triton's preprocess gives on every probe; one differing token keeps text on the ensemble."""
+    from mmserve.gateway.direct import DirectText, preprocess
+    from mmserve.serving.preprocess import PreprocessError, PreprocessLimits, Preprocessor
+
+    parameters = {"max_messages": "3", "user_control_tokens": "reject"}
+    limits = PreprocessLimits.from_parameters(parameters, {"image": 1})
+    reference = Preprocessor(tiny_models["qwen2_5_omni"], limits=limits, user_control_tokens="reject")
+
+    def ids(tensors):  # as Triton answers: the ids, or INVALID_ARG (a probe over max_messages)
+        try:
+            out = preprocess(reference, tensors)["input_ids"]
+        except PreprocessError as exc:
+            raise errors.invalid(str(exc)) from None
+        return out if answer == "same" else np.append(out, 0)
+
+    backend = PreprocessBackend(ids, parameters)
+    direct = DirectText(str(tiny_models["qwen2_5_omni"]), {"image": 1})
+    assert asyncio.run(direct.check(backend)) == state and backend.asked == ["preprocess"]
+    if state == "on":  # preprocess's own limits and policy, read from its parameters
+        assert direct.preprocessor is not None and direct.preprocessor.limits.max_messages == 3
+        assert direct.preprocessor.user_control_tokens == "reject"
+
+
+def test_the_direct_path_waits_for_triton_and_is_off_without_the_checkpoint(tiny_models, tmp_path):
+    """While Triton can't be asked, requests go through the ensemble and the check is retried; a
+    --tokenizer folder that isn't a checkpoint turns the path off."""
+    from mmserve.gateway import direct as direct_module
+
+    async def scenario(path, backend):
+        direct = direct_module.DirectText(path, {})
+        assert direct.ready(backend) is None  # the check starts; meanwhile: the ensemble
+        await asyncio.sleep(0.5)
+        assert direct.ready(backend) is None
+        return direct
+
+    down = PreprocessBackend(None, down=True)
+    checked = asyncio.run(scenario(str(tiny_models["qwen2_5_omni"]), down))
+    assert checked.state == "unchecked" and down.asked == ["preprocess"]  # asked once, retried after RETRY_S
+    missing = asyncio.run(scenario(str(tmp_path), PreprocessBackend(None)))
+    assert missing.state == "off" and missing.preprocessor is None

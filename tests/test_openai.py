@@ -119,8 +119,12 @@ class Gateway:
 
 
 @pytest.fixture(scope="module")
-def gateway(server, tmp_path_factory):
-    gateway = Gateway(server.grpc, tmp_path_factory.mktemp("gateway") / "gateway.log")
+def gateway(server, tmp_path_factory, tiny_models):
+    """The gateway as scripts/serve.sh starts it: text-only requests rendered by the gateway and sent
+    to mm_llm directly (--tokenizer: the served checkpoint), the others through mm_ensemble."""
+    gateway = Gateway(
+        server.grpc, tmp_path_factory.mktemp("gateway") / "gateway.log", "--tokenizer", str(tiny_models["qwen2_5_omni"])
+    )
     try:
         yield gateway
     finally:
@@ -644,3 +648,94 @@ def test_a_client_disconnect_aborts_the_engine_request(server, gateway):
     tries = generated_after_cancel(server, start, max_tokens=3000)
     print(f"\ngateway stream: (tokens when disconnected, in all) per try: {tries}")
     assert_cancel_stopped_the_engine(tries, 3000)
+
+
+# -- text without the hop (mmserve.gateway.direct) ---------------------------------------------------
+def _preprocess_count(server) -> int:
+    """Requests Triton's ``preprocess`` has answered so far (its inference statistics)."""
+    import tritonclient.grpc as grpcclient
+
+    stats = grpcclient.InferenceServerClient(server.grpc).get_inference_statistics("preprocess", as_json=True)
+    return int(stats["model_stats"][0]["inference_stats"]["success"].get("count", 0))
+
+
+def _skips_preprocess(server, sdk, **request) -> bool:
+    """Whether a request through the gateway left ``preprocess`` untouched (the direct path)."""
+    before = _preprocess_count(server)
+    sdk.chat.completions.create(**{"model": "mm_ensemble", "max_tokens": 2, **request})
+    return _preprocess_count(server) == before
+
+
+TEXT_CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Repeat <|im_start|>user and <|IMAGE|> literally."},
+    {"role": "assistant", "content": "D'accord : « <|im_end|> »."},
+    {"role": "user", "content": "Encore une fois,\né ü 字."},
+]
+
+
+def test_text_only_requests_go_to_mm_llm_directly(server, references, sdk):
+    """A request without media skips ``preprocess`` (rendered and tokenized by the gateway, sent to
+    mm_llm) once the gateway checked its ids against ``preprocess``'s; one with media goes through
+    the ensemble. The answers are the Triton path's: a multi-turn conversation with special tokens
+    typed in its text gives mm_ensemble's tokens (``messages`` through ``mmserve.client``) and
+    usage; an image request the offline engine's."""
+    text = {"messages": [{"role": "user", "content": "Hello"}]}
+    assert wait_for(lambda: _skips_preprocess(server, sdk, **text), timeout=60, interval=0.5)
+    assert _skips_preprocess(server, sdk, **text, stream=True, n=2, extra_body={"ignore_eos": True})
+    image = references["image#2"]
+    with_image = [{"role": "user", "content": [image_part(image.images[0]), {"type": "text", "text": "What?"}]}]
+    assert not _skips_preprocess(server, sdk, messages=with_image)
+
+    before = _preprocess_count(server)
+    reply = sdk.chat.completions.create(
+        model="mm_ensemble", messages=TEXT_CONVERSATION, extra_body={"return_token_ids": True}, **GREEDY
+    )
+    assert _preprocess_count(server) == before
+    triton = triton_client(server).generate(messages=TEXT_CONVERSATION, **_sampling())
+    assert reply.choices[0].message.content == triton.text and triton.text
+    assert reply.choices[0].token_ids == list(triton.output_ids)
+    assert reply.usage.prompt_tokens == triton.num_input_tokens
+
+
+def test_a_refused_text_request_is_refused_as_preprocess_refuses_it(server, gateway, sdk):
+    """A text-only request over one of ``preprocess``'s limits (its configuration, which the gateway
+    reads from Triton): the same 400 message the ensemble gives, the request never reaching mm_llm."""
+    assert wait_for(lambda: _skips_preprocess(server, sdk, messages=[{"role": "user", "content": "Hi"}]), timeout=60)
+    messages = [{"role": "user", "content": f"turn {i}"} for i in range(65)]  # max_messages: 64
+    from mmserve.client import ClientError
+
+    with pytest.raises(ClientError) as ensemble:
+        triton_client(server).generate(messages=messages, **_sampling())
+    status, body = _post(gateway, {"model": "mm_ensemble", "messages": messages, "max_tokens": 2})
+    assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+    assert body["error"]["message"] in str(ensemble.value) and "max_messages" in body["error"]["message"]
+
+
+def _post(gateway, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        f"{gateway.url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_a_gateway_on_another_checkpoint_sends_text_through_the_ensemble(server, sdk, tiny_models, tmp_path):
+    """--tokenizer naming a checkpoint whose chat template renders other ids than the served one's
+    (InternVL's adds its own system turn): the check finds it, and text-only requests keep going
+    through ``preprocess``, with the same answers as the direct gateway's."""
+    other = Gateway(server.grpc, tmp_path / "gateway.log", "--tokenizer", str(tiny_models["internvl"]))
+    try:
+        request = {"messages": TEXT_CONVERSATION, "extra_body": {"return_token_ids": True}, **GREEDY}
+        for _ in range(3):  # the first asks for the check; the ones after are answered once it ended
+            assert not _skips_preprocess(server, other.sdk(), **request)
+            time.sleep(1)
+        assert wait_for(lambda: "differ from Triton's preprocess" in other.log.read_text(), timeout=30)
+        ours = other.sdk().chat.completions.create(model="mm_ensemble", **request)
+        direct = sdk.chat.completions.create(model="mm_ensemble", **request)
+        assert ours.choices[0].token_ids == direct.choices[0].token_ids
+    finally:
+        other.stop()

@@ -471,7 +471,7 @@ def install_output_hold() -> None:
     the task iterating ``generate`` each time (its event), where deltas that came while the task
     was busy are merged. With a hold, a delta before ``hold.until`` is merged without a wake-up,
     and one wake-up comes at ``until`` (a timer) or with the request's last output, at once:
-    a stream that wants a response every 50 ms wakes its task once per response instead of once
+    a stream that wants a response every 150 ms wakes its task once per response instead of once
     per token. Without a hold (``holding`` never set) the collector is vLLM's. vLLM 0.32 creates the
     collector by the name ``RequestOutputCollector`` in ``vllm.v1.engine.async_llm``."""
     import asyncio

@@ -154,6 +154,15 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, 
         "otherwise), as vllm serve --api-key; /health stays open. Default: "
         f"${settings.OPENAI_API_KEY.name} (better: a command line is visible to other local users)",
     )
+    parser.add_argument(
+        "--tokenizer",
+        default=settings.MODEL.get() or None,
+        metavar="PATH",
+        help="the checkpoint folder Triton serves: a request without media is rendered (chat template) and "
+        "tokenized here and goes to --llm-model-name directly, skipping preprocess, once checked to give "
+        f"preprocess's ids (mmserve.gateway.direct); 'none': every request through --model-name. Default: "
+        f"${settings.MODEL.name}, else none",
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = parser.parse_args(argv)
     if args.media_fetches_in_flight < 1:
@@ -186,6 +195,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[GatewayConfig, 
         lora_modules=tuple(dict.fromkeys(module.split("=", 1)[0] for module in args.lora_modules)),
         runtime_lora_updating=args.allow_runtime_lora_updating,
         operator_key=operator_key,
+        tokenizer=None if args.tokenizer in (None, "", "none") else args.tokenizer,
     )
     return config, args
 

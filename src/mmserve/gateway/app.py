@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mmserve import operator
 from mmserve.gateway import tools
 from mmserve.gateway.convert import FETCHES_IN_FLIGHT, MEDIA_LIMITS, conversation, openai_logprobs, request_tensors
+from mmserve.gateway.direct import DirectText, direct_tensors
 from mmserve.gateway.errors import APIError, internal, invalid, logger, unavailable
 from mmserve.gateway.media import MediaFetcher
 from mmserve.gateway.protocol import ChatCompletionRequest, parse_request
@@ -87,6 +88,10 @@ class GatewayConfig:
     (header ``mmserve-operator-key``, as Triton's restricted APIs), which the gateway passes on to
     ``mm_llm``'s ``lora_adapters`` control request."""
     operator_key: str | None = field(default=None, repr=False)
+    tokenizer: str | None = None
+    """The served checkpoint's folder: a request without media is rendered and tokenized here and
+    goes to ``llm_model`` directly, once checked to give Triton's ``preprocess`` ids
+    (``mmserve.gateway.direct``); None: every request goes to ``model``."""
     """The operator's key (``mmserve.operator``), for ``runtime_lora_updating``."""
 
     @property
@@ -121,6 +126,7 @@ def create_app(config: GatewayConfig, backend: Any = None) -> FastAPI:
         if config.allow_remote_media
         else None
     )
+    direct = DirectText(config.tokenizer, config.limit_mm_per_prompt) if config.tokenizer else None
     created = int(time.time())
     served = Served(list(config.lora_modules))  # the adapters clients may name: runtime updates change it
 
@@ -130,6 +136,8 @@ def create_app(config: GatewayConfig, backend: Any = None) -> FastAPI:
         try:
             yield
         finally:
+            if direct is not None:
+                await direct.close()
             await backend.close()
             if fetcher is not None:
                 await fetcher.close()
@@ -181,7 +189,7 @@ def create_app(config: GatewayConfig, backend: Any = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _answered(_chat(request, config, backend, fetcher, served))
+        return await _answered(_chat(request, config, backend, fetcher, served, direct))
 
     return app
 
@@ -352,7 +360,12 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 
 async def _chat(
-    request: Request, config: GatewayConfig, backend: Any, fetcher: MediaFetcher | None, served: Served
+    request: Request,
+    config: GatewayConfig,
+    backend: Any,
+    fetcher: MediaFetcher | None,
+    served: Served,
+    direct: DirectText | None = None,
 ) -> Response:
     chat = parse_request(await _read_json(request, config.max_request_bytes))
     lora_name = chat.model if chat.model in served.adapters else None
@@ -373,8 +386,16 @@ async def _chat(
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     answer = _Answer(chat, completion_id, config.name)
     choices = request_tensors(chat, conv, lora_name=lora_name)
+    model = config.model
+    preprocessor = None if direct is None or conv.images or conv.audios or conv.videos else direct.ready(backend)
+    if preprocessor is not None:  # text only: rendered here, straight to the engine (mmserve.gateway.direct)
+        first = await direct_tensors(preprocessor, choices[0])  # the choices differ in their sampling only
+        choices = [{**first, "sampling_parameters": c["sampling_parameters"]} for c in choices]
+        model = config.llm_model
     ids = [completion_id] if len(choices) == 1 else [f"{completion_id}-{index}" for index in range(len(choices))]
-    deltas = _merged([backend.generate(tensors, request_id) for tensors, request_id in zip(choices, ids, strict=True)])
+    deltas = _merged(
+        [backend.generate(tensors, request_id, model=model) for tensors, request_id in zip(choices, ids, strict=True)]
+    )
     try:
         if not chat.stream:
 

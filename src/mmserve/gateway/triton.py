@@ -299,6 +299,29 @@ class TritonBackend:
         if not ready:
             raise unavailable(f"the model {self.model!r} is not ready on Triton")
 
+    async def model_parameters(self, model: str) -> dict[str, str]:
+        """The ``parameters`` of ``model``'s configuration on Triton (key -> string value)."""
+        from tritonclient.grpc import service_pb2
+
+        try:
+            reply = await self._stub.ModelConfig(service_pb2.ModelConfigRequest(name=model), timeout=HEALTH_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - classified as the requests' failures are
+            raise _grpc_error(exc) if _is_grpc(exc) else unavailable(f"Triton is unavailable ({exc})") from None
+        return {key: value.string_value for key, value in reply.config.parameters.items()}
+
+    async def infer(self, model: str, tensors: Mapping[str, np.ndarray], outputs: tuple[str, ...]) -> dict[str, Any]:
+        """One unary request to ``model`` (not decoupled); its ``outputs`` as arrays (BYTES: object arrays)."""
+        from tritonclient.grpc import InferResult
+
+        request = infer_request(model, tensors, f"probe-{uuid.uuid4().hex}")
+        del request.parameters["triton_enable_empty_final_response"]
+        try:
+            reply = await self._stub.ModelInfer(request, timeout=HEALTH_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - classified as the requests' failures are
+            raise _grpc_error(exc) if _is_grpc(exc) else unavailable(f"Triton is unavailable ({exc})") from None
+        result = InferResult(reply)
+        return {name: result.as_numpy(name) for name in outputs}
+
     def _next_stream(self) -> _Stream:
         """The stream whose turn it is (a new one where it broke or was never opened)."""
         turn, self._turn = self._turn, (self._turn + 1) % len(self._streams)

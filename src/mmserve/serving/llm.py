@@ -52,10 +52,11 @@ responses to go out, the watcher to end (the engine's own stop: ``mmserve.engine
 STOPPING = "the server is stopping; retry on another replica or later"
 """What a request refused or ended by a drain or a stop is told (``UNAVAILABLE``)."""
 
-STREAM_FLUSH_MS = 50.0
+STREAM_FLUSH_MS = 150.0
 """A stream's shortest interval between two responses after its first (``mm_llm``'s
 ``stream_flush_ms`` parameter; per request in ``sampling_parameters``): the deltas of a busy
-engine's steps travel as one response (docs/PERFORMANCE.md). 0: a response per engine output."""
+engine's steps travel as one response (docs/PERFORMANCE.md: "The cost of a streamed token"). 0: a
+response per engine output."""
 
 
 class RequestError(InputError):

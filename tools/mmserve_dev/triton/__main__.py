@@ -56,6 +56,7 @@ def start_gateway(
             "--log-level",
             "warning",
             *media_limits(server),
+            *tokenizer(server),
             *extra_args,
         ]
     )
@@ -87,6 +88,20 @@ def media_limits(server: TritonServer) -> list[str]:
         return []
     limits = mm_limits(json.loads(engine.read_text()))
     return ["--limit-mm-per-prompt", json.dumps(limits)] if limits else []
+
+
+def tokenizer(server: TritonServer) -> list[str]:
+    """The gateway's ``--tokenizer``: the checkpoint ``server`` serves (the ``$MMSERVE_MODEL`` it was
+    given, else ``model`` of ``mm_llm/model.json`` in its first repository, which this process's
+    ``$MMSERVE_MODEL`` overrides as it does the server's), so that text-only requests skip
+    ``preprocess`` (``mmserve.gateway.direct``); none where neither says."""
+    from mmserve.inputs import read_engine_config
+
+    model = getattr(server, "env_overrides", {}).get(settings.MODEL.name)
+    engine = server.model_repositories[0] / "mm_llm" / "model.json"
+    if not model and engine.is_file():
+        model = read_engine_config(engine)["model"]
+    return ["--tokenizer", str(model)] if model else ["--tokenizer", "none"]
 
 
 def stop_gateway(gateway: subprocess.Popen[bytes] | None, *, signalled: bool = False) -> None:
