@@ -1417,6 +1417,10 @@ loop at several concurrency levels; greedy, a fixed number of output tokens), in
 | `vllm-render` | vLLM's own split of preprocessing from the engine: `vllm launch render` (a rendering server: chat template, HF processor) answers `/v1/chat/completions/render` with token ids and features, which go to `vllm serve --enable-scale-out`'s `/inference/v1/generate` |
 | `in-process` | `Preprocessor` on a thread + the pass-through engine (`EngineRunner`) in the benchmark's process: no Triton, no sockets — the lower bound |
 
+At GPU-node rates (32-128 live streams, 256- and 1024-token outputs, the serving CPU per streamed
+token and per response, the pacing swept, the capacity model fitted to it):
+[benchmarks/token_rates.md](benchmarks/token_rates.md), by `bench/token_rates.py`.
+
 How to read the numbers: times are the client's (the benchmark process, which also does the
 base64/tensor encoding and, for `mm_llm-direct` and `in-process`, the preprocessing). TTFT runs from
 a request's start to its first streamed token, latency to its last. Requests/s are per run (all

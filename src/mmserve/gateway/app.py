@@ -88,11 +88,11 @@ class GatewayConfig:
     (header ``mmserve-operator-key``, as Triton's restricted APIs), which the gateway passes on to
     ``mm_llm``'s ``lora_adapters`` control request."""
     operator_key: str | None = field(default=None, repr=False)
+    """The operator's key (``mmserve.operator``), for ``runtime_lora_updating``."""
     tokenizer: str | None = None
     """The served checkpoint's folder: a request without media is rendered and tokenized here and
     goes to ``llm_model`` directly, once checked to give Triton's ``preprocess`` ids
     (``mmserve.gateway.direct``); None: every request goes to ``model``."""
-    """The operator's key (``mmserve.operator``), for ``runtime_lora_updating``."""
 
     @property
     def name(self) -> str:
