@@ -133,6 +133,8 @@ def create_app(config: GatewayConfig, backend: Any = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await backend.start()
+        if direct is not None:
+            direct.ready(backend)  # its check (a processor to load, probes to compare) starts now
         try:
             yield
         finally:

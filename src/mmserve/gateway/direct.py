@@ -2,11 +2,12 @@
 to ``mm_llm`` directly, not through ``mm_ensemble``'s ``preprocess`` step.
 
 A text-only request through the ensemble pays a round trip to ``preprocess``'s stub and the ensemble
-scheduler's (about 2-3 ms of server CPU per request on this project's CPU machine,
-docs/PERFORMANCE.md); what ``preprocess`` does for it is the chat template and the tokenizer. The
+scheduler's (about 1.5 ms of server CPU per request at concurrency 16 on this project's 2-core
+machine: ``preprocess`` 1.1, tritonserver 0.5; ``bench/peers.py``); what ``preprocess`` does for it
+is the chat template and the tokenizer. The
 gateway runs the very same code (``mmserve.serving.preprocess.Preprocessor``) on the same checkpoint,
 under the same limits and control-token policy, which it reads from Triton's configuration of
-``preprocess`` (its ``parameters``). Before the first request goes this way the gateway checks that
+``preprocess`` (its ``parameters``). At its start (and, until it could, at a request) the gateway checks that
 it gets ``preprocess``'s own ids: it sends ``PROBES`` (a system turn, special tokens typed in the
 text, a multi-turn conversation with tools) to Triton's ``preprocess`` and compares. Any difference,
 or a checkpoint the gateway can't load, turns the direct path off for good (a warning in the log);
